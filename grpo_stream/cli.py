@@ -17,7 +17,8 @@ Handler = Callable[[argparse.Namespace], int]
 def _kafka(args: argparse.Namespace) -> int:
     from grpo_stream.broker import DEFAULT_DATA_DIR, LocalBroker
 
-    broker = LocalBroker(data_dir=Path(args.data_dir or DEFAULT_DATA_DIR), port=args.port)
+    broker = LocalBroker(data_dir=Path(args.data_dir or DEFAULT_DATA_DIR), port=args.port,
+                         controller_port=args.controller_port)
     if args.action == "up":
         state = broker.up(fresh=args.fresh, timeout_s=args.timeout)
         print(f"kafka is up: bootstrap {state['bootstrap']} (pid {state['pid']}, data {broker.data_dir})")
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kafka", help="the local single-node Kafka broker (KRaft)")
     k.add_argument("action", choices=["up", "down", "status"])
     k.add_argument("--port", type=int, default=9092, help="client port (controller uses port+1)")
+    k.add_argument("--controller-port", type=int, default=None, help="KRaft controller port (default port+1)")
     k.add_argument("--data-dir", default=None, help="broker data dir (default .cache/kafka/data; persistent)")
     k.add_argument("--fresh", action="store_true", help="wipe the data dir before starting")
     k.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for start/stop")
@@ -101,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may follow options (`topics create --config f.yaml a.b=1`), which argparse's
+    # positional matching does not allow; collect the leftovers for the commands that take overrides.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from grpo_stream.broker import BrokerError

@@ -195,7 +195,7 @@ def build(cls: type[C], raw: Any, where: str, base: C | None = None) -> C:
     if isinstance(raw, cls):
         return raw
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping for {cls.__name__}, got {raw!r}")
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: expected a mapping for {cls.__name__}, got {raw!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs = {}
@@ -210,7 +210,7 @@ def build(cls: type[C], raw: Any, where: str, base: C | None = None) -> C:
     missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ConfigError(f"{where or 'config'}: missing required keys {missing}")
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: missing required keys {missing}")
     return cls(**kwargs)
 
 

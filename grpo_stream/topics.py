@@ -6,6 +6,7 @@ derived in exactly one function, :func:`broker_configs`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -47,11 +48,10 @@ def ensure_topics(admin: KafkaAdminClient, plan: TopicsConfig) -> list[TopicResu
     results = []
     missing = [s for s in plan.all() if s.name not in existing]
     if missing:
-        try:
+        # A concurrent creator may win the race; the check below still compares its settings with the plan.
+        with contextlib.suppress(TopicAlreadyExistsError):
             admin.create_topics({s.name: {"num_partitions": s.partitions, "replication_factor": s.replication_factor,
                                           "configs": broker_configs(s)} for s in missing})
-        except TopicAlreadyExistsError:
-            pass  # a concurrent creator won the race; the check below still compares settings
         admin.wait_for_topics([s.name for s in missing], timeout_ms=30_000)
         results += [TopicResult(s.name, True) for s in missing]
     present = [s for s in plan.all() if s.name in existing]
@@ -83,4 +83,4 @@ def live_configs(admin: KafkaAdminClient, topic: str) -> dict[str, str]:
     resource = ConfigResource(ConfigResourceType.TOPIC, topic)
     described = admin.describe_configs([resource], config_filter="all")
     entries = next(iter(next(iter(described.values())).values()))
-    return {k: (v.get("config_value") if isinstance(v, dict) else v) for k, v in entries.items()}
+    return {k: (v.get("value") if isinstance(v, dict) else v) for k, v in entries.items()}

@@ -61,7 +61,8 @@ def codec_figures(seconds: float) -> list[tuple[str, float, float]]:
     for name, record in (("Completion", group.completions[0]), ("ScoredGroup(G=16)", group)):
         data = wire.encode(record)
         enc = _rate(lambda r=record: wire.encode(r), seconds)
-        dec = _rate(lambda d=data, t=type(record): wire.decode(d, t), seconds)
+        kind = type(record)
+        dec = _rate(lambda d=data, k=kind: wire.decode(d, k), seconds)
         rows += [(f"encode {name} ({len(data)} B)", enc * len(data) / 1e6, enc),
                  (f"decode+validate {name} ({len(data)} B)", dec * len(data) / 1e6, dec)]
     return rows

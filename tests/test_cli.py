@@ -1,0 +1,72 @@
+"""The grpo-stream CLI as a user runs it (subprocesses, real broker)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from grpo_stream.broker import free_port
+
+CLI = [sys.executable, "-m", "grpo_stream.cli"]
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=180)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}: {proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.mark.integration
+def test_kafka_up_status_down(tmp_path: Path) -> None:
+    port, ctl = free_port(), free_port()
+    common = ["--data-dir", str(tmp_path / "k"), "--port", str(port), "--controller-port", str(ctl)]
+    try:
+        out = run("kafka", "up", *common).stdout
+        assert f"bootstrap 127.0.0.1:{port}" in out
+        status = json.loads(run("kafka", "status", *common).stdout)
+        assert status["running"] is True and status["bootstrap"] == f"127.0.0.1:{port}"
+        assert status["version"].startswith("4.3.") and isinstance(status["pid"], int)
+        assert "kafka stopped" in run("kafka", "down", *common).stdout
+        assert json.loads(run("kafka", "status", *common).stdout)["running"] is False
+    finally:
+        run("kafka", "down", *common, check=False)
+
+
+def test_kafka_up_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run("kafka", "up", "--data-dir", str(tmp_path / "k"), "--port", str(port), check=False)
+    assert proc.returncode == 2
+    assert f"127.0.0.1:{port} is already in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_topics_create_against_the_session_broker(kafka_bootstrap: str, unique: Callable) -> None:
+    p = unique("cli")
+    names = [f"topics.{t}.name={p}-{t}" for t in ("prompts", "completions", "groups", "weights", "weight_data", "dlq")]
+    first = run("topics", "create", "--config", "configs/topics.yaml", f"kafka.bootstrap={kafka_bootstrap}", *names)
+    assert first.stdout.count("created") == 6
+    second = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", *names)
+    assert second.stdout.count("exists, matches the plan") == 6
+    bad = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", *names, "topics.groups.partitions=9",
+              check=False)
+    assert bad.returncode == 2 and "partitions is 4, plan says 9" in bad.stderr
+
+
+def test_bad_override_is_a_clear_error() -> None:
+    proc = run("topics", "create", "topics.groups.partitionz=3", check=False)
+    assert proc.returncode == 2 and "did you mean 'partitions'" in proc.stderr
+
+
+def test_config_explain_and_demo() -> None:
+    assert "topics.groups.partitions = 4" in run("config", "explain", "topics").stdout
+    assert "not yet" in run("demo").stdout

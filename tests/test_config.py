@@ -1,0 +1,125 @@
+"""Typed config loading: YAML + key=value overrides, strict validation with actionable errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from grpo_stream.config import (
+    ConfigError,
+    KafkaConfig,
+    TopicsConfig,
+    TopicsFileConfig,
+    explain,
+    load_config,
+    opt,
+    require,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+# Every config file the project ships, with the typed config it must parse as. A new file must be added here.
+SHIPPED = {"topics.yaml": TopicsFileConfig}
+
+
+@dataclass
+class Inner:
+    rate: float = opt(0.5, "a rate")
+    mode: Literal["a", "b"] = opt("a", "a mode")
+
+    def validate(self) -> None:
+        require(0 <= self.rate <= 1, f"inner.rate: {self.rate} must be in [0, 1]")
+
+
+@dataclass
+class Outer:
+    name: str = opt("run", "run name")
+    steps: int = opt(10, "steps")
+    tags: list[str] = opt(factory=list, help="tags")
+    inner: Inner = opt(factory=Inner, help="inner section")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_config_parses(name: str) -> None:
+    assert name in SHIPPED, f"configs/{name} is not registered in SHIPPED with its config class"
+    cfg = load_config(SHIPPED[name], REPO / "configs" / name, ignore_unknown_top=True)
+    assert cfg is not None
+
+
+def test_shipped_topic_plan_equals_the_code_default() -> None:
+    # The YAML documents the plan; it must not silently drift from the defaults the code uses.
+    assert load_config(TopicsFileConfig, REPO / "configs/topics.yaml").topics == TopicsConfig()
+
+
+def test_yaml_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\ninner:\n  rate: 0.25\n")
+    cfg = load_config(Outer, path, ["steps=42", "inner.mode=b", "tags=[p, q]"])
+    assert (cfg.name, cfg.steps, cfg.tags, cfg.inner.rate, cfg.inner.mode) == ("x", 42, ["p", "q"], 0.25, "b")
+
+
+def test_partial_nested_section_keeps_other_defaults() -> None:
+    cfg = load_config(TopicsFileConfig, None, ["topics.groups.partitions=8"])
+    assert cfg.topics.groups.partitions == 8
+    assert cfg.topics.groups.name == "groups" and cfg.topics.weights.cleanup_policy == "compact"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["stepz=3"], "stepz: unknown key; did you mean 'steps'?"),
+        (["steps=many"], "steps: expected int"),
+        (["steps=true"], "steps: expected an integer"),
+        (["inner.mode=c"], "inner.mode: 'c' is not one of ['a', 'b']"),
+        (["inner.rate=2"], "inner.rate: 2.0 must be in [0, 1]"),
+        (["inner=3"], "inner: expected a mapping"),
+        (["noequals"], "expected key.sub=value"),
+    ],
+)
+def test_errors_name_the_key_and_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Outer, None, overrides)
+    assert message in str(info.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Outer, tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(Outer, bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(Outer, bad)
+
+
+def test_topic_plan_validation() -> None:
+    with pytest.raises(ConfigError, match="names must be distinct"):
+        load_config(TopicsFileConfig, None, ["topics.dlq.name=groups"])
+    with pytest.raises(ConfigError, match="must be compact"):
+        load_config(TopicsFileConfig, None, ["topics.weights.cleanup_policy=delete"])
+    with pytest.raises(ConfigError, match="partitions: must be >= 1"):
+        load_config(TopicsFileConfig, None, ["topics.groups.partitions=0"])
+
+
+def test_kafka_security_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="sasl_mechanism: required"):
+        load_config(KafkaConfig, None, ["security_protocol=SASL_SSL"])
+    with pytest.raises(ConfigError, match="KAFKA_SECRET is not set"):
+        load_config(KafkaConfig, None, ["security_protocol=SASL_SSL", "sasl_mechanism=PLAIN",
+                                        "sasl_password_env=KAFKA_SECRET"])
+    monkeypatch.setenv("KAFKA_BOOTSTRAP", "example:9092")
+    assert KafkaConfig().resolved_bootstrap() == "example:9092"
+    assert KafkaConfig(bootstrap="other:1").resolved_bootstrap() == "other:1"
+
+
+def test_explain_lists_every_leaf_with_help() -> None:
+    lines = list(explain(Outer))
+    assert "inner.rate = 0.5  # a rate" in lines
+    assert any(line.startswith("tags = []") for line in lines)
+    topic_lines = list(explain(TopicsFileConfig))
+    assert "topics.weights.cleanup_policy = 'compact'  # cleanup.policy." in topic_lines
+    assert any(line.startswith("kafka.bootstrap = None") for line in topic_lines)

@@ -1,0 +1,218 @@
+"""Kafka helpers against the real broker: delivery guarantees, restart survival, dead letters, lag."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+from grpo_stream import wire
+from grpo_stream.bench.wire import make_completion
+from grpo_stream.broker import LocalBroker, free_port
+from grpo_stream.config import KafkaConfig
+from grpo_stream.kafka_io import (
+    DeadLetters,
+    client_settings,
+    commit_processed,
+    consumer_lag,
+    make_consumer,
+    make_producer,
+    redacted,
+)
+
+
+def _small_completion(group: int, index: int) -> wire.Completion:
+    return make_completion(f"p{group}@e0r0", index, group_size=8, tokens=16, prompt_tokens=8,
+                           rng=np.random.default_rng(group * 8 + index))
+
+
+def _poll_until(consumer: KafkaConsumer, n: int, timeout_s: float = 60.0) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        for batch in consumer.poll(timeout_ms=200).values():
+            out.extend(batch)
+    return out
+
+
+def _commit_batch(consumer: KafkaConsumer, msgs: list) -> None:
+    nxt: dict[TopicPartition, int] = {}
+    for m in msgs:
+        tp = TopicPartition(m.topic, m.partition)
+        nxt[tp] = max(nxt.get(tp, 0), m.offset + 1)
+    commit_processed(consumer, nxt)
+
+
+def test_ten_thousand_completions_through_a_consumer_group(kafka_cfg: KafkaConfig, new_topic: Callable,
+                                                           unique: Callable) -> None:
+    topic, group, n_groups, g = new_topic("completions", partitions=4), unique("grp"), 1250, 8
+    consumers = [make_consumer(kafka_cfg, "test", group, [topic]) for _ in range(2)]
+    # Both members must hold partitions before data flows: a rebalance mid-stream legitimately re-delivers.
+    deadline = time.monotonic() + 60
+    while not all(c.assignment() for c in consumers) and time.monotonic() < deadline:
+        for c in consumers:
+            c.poll(timeout_ms=100)
+    assert all(c.assignment() for c in consumers), "group did not stabilise"
+    got: list[list] = [[], []]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        while not stop.is_set():
+            batch = [m for msgs in consumers[i].poll(timeout_ms=200).values() for m in msgs]
+            got[i].extend((m.partition, m.offset, wire.decode(m.value, wire.Completion)) for m in batch)
+            _commit_batch(consumers[i], batch)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    producer = make_producer(kafka_cfg, "test")
+    sent = []
+    for grp in range(n_groups):
+        for idx in range(g):
+            c = _small_completion(grp, idx)
+            producer.send(topic, key=c.group_id.encode(), value=wire.encode(c))
+            sent.append((c.group_id, c.index))
+    producer.flush()
+    deadline = time.monotonic() + 120
+    while sum(map(len, got)) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # anything extra (a duplicate) would arrive now
+    stop.set()
+    for t in threads:
+        t.join()
+    records = got[0] + got[1]
+    ids = [(r.group_id, r.index) for _, _, r in records]
+    assert len(ids) == len(sent) == 10_000
+    assert len(set(ids)) == len(ids), "a record was delivered twice"
+    assert set(ids) == set(sent)
+    assert got[0] and got[1], "both group members should have done work"
+    by_partition: dict[int, list[int]] = {}
+    partition_of_group: dict[str, int] = {}
+    for part, off, rec in records:
+        by_partition.setdefault(part, []).append(off)
+        assert partition_of_group.setdefault(rec.group_id, part) == part, "a group's siblings split partitions"
+    for offsets in by_partition.values():
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), "out of order within a partition"
+    for c in records_by_group(records).values():
+        assert c == sorted(c), "siblings of one group arrived out of order"
+    for c in consumers:
+        c.close()
+    producer.close()
+
+
+def records_by_group(records: list) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _, _, r in records:
+        out.setdefault(r.group_id, []).append(r.index)
+    return out
+
+
+def test_broker_restart_keeps_data_and_committed_offsets(tmp_path: Path) -> None:
+    port, ctl = free_port(), free_port()
+    broker = LocalBroker(data_dir=tmp_path / "kafka", port=port, controller_port=ctl)
+    broker.up(fresh=True)
+    try:
+        cfg = KafkaConfig(bootstrap=broker.bootstrap)
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.create_topics({"survive": {"num_partitions": 1, "replication_factor": 1}})
+        admin.wait_for_topics(["survive"])
+        admin.close()
+        producer = make_producer(cfg, "test")
+        for i in range(100):
+            producer.send("survive", value=wire.encode(_small_completion(i, 0)))
+        producer.flush()
+        producer.close()
+        consumer = make_consumer(cfg, "test", "survivors", ["survive"], max_poll_records=60)
+        first = _poll_until(consumer, 60)[:60]
+        _commit_batch(consumer, first)
+        broker.down()
+        assert not broker.status()["running"]
+        broker.up()  # same data dir, same ports
+        # The live consumer resumes by itself after the restart and reads on from where it was.
+        rest = _poll_until(consumer, 40)
+        assert [m.offset for m in first + rest] == list(range(100))
+        consumer.close()
+        # A new member of the group starts at the committed offset (60), which survived the restart.
+        producer = make_producer(cfg, "test")
+        producer.send("survive", value=wire.encode(_small_completion(100, 0))).get(timeout=30)
+        producer.close()
+        again = make_consumer(cfg, "test", "survivors", ["survive"])
+        resumed = _poll_until(again, 41)
+        assert [m.offset for m in resumed] == list(range(60, 101))
+        again.close()
+        # And every record is still there for a reader from the start.
+        fresh = make_consumer(cfg, "test", None, ["survive"])
+        assert len(_poll_until(fresh, 101)) == 101
+        fresh.close()
+    finally:
+        broker.down()
+
+
+def test_garbage_and_wrong_schema_go_to_dlq_and_consumer_goes_on(kafka_cfg: KafkaConfig, new_topic: Callable,
+                                                                  unique: Callable) -> None:
+    topic, dlq_topic = new_topic("completions"), new_topic("dlq")
+    good = [wire.encode(_small_completion(i, 0)) for i in range(2)]
+    future_schema = good[0].replace(b"\xa2_v\x01", b"\xa2_v\x02")
+    assert future_schema != good[0]
+    payloads = [good[0], b"\x00\xffnot msgpack at all", future_schema, good[1]]
+    producer = make_producer(kafka_cfg, "test")
+    for p in payloads:
+        producer.send(topic, key=b"k", value=p)
+    producer.flush()
+    reasons: list[str] = []
+    dead = DeadLetters(producer, dlq_topic, "test-service", on_dead=reasons.append)
+    consumer = make_consumer(kafka_cfg, "test", unique("grp"), [topic])
+    processed = []
+    for msg in _poll_until(consumer, 4):
+        record = dead.decode(msg, wire.Completion)
+        if record is not None:
+            processed.append(record.group_id)
+        _commit_batch(consumer, [msg])
+    assert processed == ["p0@e0r0", "p1@e0r0"], "valid records after bad ones must still be processed"
+    assert reasons == ["decode", "decode"]
+    reader = make_consumer(kafka_cfg, "test", None, [dlq_topic])
+    letters = [wire.decode(m.value, wire.DeadLetter) for m in _poll_until(reader, 2)]
+    assert [(d.source_topic, d.partition, d.offset) for d in letters] == [(topic, 0, 1), (topic, 0, 2)]
+    assert letters[0].raw == payloads[1] and letters[1].raw == payloads[2]
+    assert "not msgpack" in letters[0].reason
+    assert "schema version 2" in letters[1].reason
+    assert all(d.service == "test-service" and d.key == b"k" for d in letters)
+    tp = TopicPartition(topic, 0)
+    assert consumer.committed(tp) == 4
+    for c in (consumer, reader):
+        c.close()
+    producer.close()
+
+
+def test_consumer_lag_is_log_end_minus_committed(kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
+                                                 new_topic: Callable, unique: Callable) -> None:
+    topic, group = new_topic("groups", partitions=2), unique("learner")
+    producer = make_producer(kafka_cfg, "test")
+    for i in range(10):
+        producer.send(topic, value=b"x", partition=i % 2)
+    producer.flush()
+    producer.close()
+    assert consumer_lag(admin, group, topic) == {0: 5, 1: 5}, "a group that never committed lags everything"
+    consumer = make_consumer(kafka_cfg, "test", group)
+    consumer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])
+    commit_processed(consumer, {TopicPartition(topic, 0): 4, TopicPartition(topic, 1): 1})
+    assert consumer_lag(admin, group, topic) == {0: 1, 1: 4}
+    consumer.close()
+
+
+def test_security_settings_pass_through_without_leaking_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_PW", "s3cret")
+    cfg = KafkaConfig(bootstrap="b1:9093,b2:9093", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+                      sasl_username="rl", sasl_password_env="KAFKA_PW", ssl_cafile="/etc/ca.pem")
+    cfg.validate()
+    s = client_settings(cfg, "learner")
+    assert s["bootstrap_servers"] == ["b1:9093", "b2:9093"]
+    assert (s["security_protocol"], s["sasl_mechanism"], s["sasl_plain_username"]) == ("SASL_SSL",
+                                                                                        "SCRAM-SHA-512", "rl")
+    assert s["sasl_plain_password"] == "s3cret" and s["ssl_cafile"] == "/etc/ca.pem"
+    assert "s3cret" not in repr(redacted(s)) and "s3cret" not in repr(cfg)

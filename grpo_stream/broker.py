@@ -123,14 +123,28 @@ def parse_java_major(version_output: str) -> int | None:
     return int(m.group(2) or 0) if major == 1 else major
 
 
-def _pid_alive(pid: int) -> bool:
-    """True if pid runs and is not a zombie (a zombie still answers kill -0 but is dead for our purposes)."""
+def _task_states(pid: int) -> list[str]:
+    """The state letter of every thread of pid ([] once the process is gone)."""
+    states = []
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
-        return False
-    # The state field follows the parenthesised command name, which may itself contain spaces or ')'.
-    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X", "")
+        return []
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        # The state field follows the parenthesised command name, which may itself contain spaces or ')'.
+        states.append(stat[stat.rfind(")") + 2 :][:1])
+    return states
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while any thread of pid runs. A zombie answers kill -0 but is dead for our purposes; yet a JVM's
+    main thread turns zombie while its other threads (and its sockets) are still shutting down, so all
+    threads are checked, not only the leader."""
+    return any(state not in ("Z", "X", "") for state in _task_states(pid))
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -142,9 +156,10 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _reap(pid: int) -> None:
-    """Collect the exit status if the broker is our own child (tests), so no zombie keeps the pid."""
+    """Collect the exit status of a dead broker that is our own child (tests), so no zombie keeps the pid.
+    Called only once every thread has exited, so the blocking wait returns at once."""
     with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+        os.waitpid(pid, 0)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -513,8 +528,10 @@ class LocalBroker:
 
     def _stop_pid(self, pid: int, timeout_s: float) -> None:
         def gone() -> bool:
+            if _pid_alive(pid):
+                return False
             _reap(pid)
-            return not _pid_alive(pid)
+            return True
 
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:

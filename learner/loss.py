@@ -1,0 +1,382 @@
+"""The policy loss: pure functions of per-token log-probability tensors.
+
+Three policies meet in an off-policy, streaming learner (notation of Mroueh et al., arXiv 2505.22257):
+
+* ``pi``     -- the policy being optimised (``LossInputs.logprobs``, carries the gradient);
+* ``alpha``  -- the behaviour policy, i.e. the (possibly stale) weights the generator sampled with
+  (``behaviour_logprobs``, as reported by the serving engine);
+* ``pi_k``   -- the "proximal" policy, the learner's own weights before this optimiser step
+  (``proximal_logprobs``, one extra no-grad forward pass; only some variants need it, see
+  :meth:`LossConfig.requires_proximal`).
+
+Each variant turns these into a per-token objective term (broadcast to tokens for sequence-level variants);
+an aggregation reduces the terms to a scalar, and ``loss = -objective + beta * KL`` (eq. 7). Variants,
+aggregations and importance-sampling corrections are looked up in ``Literal``-keyed tables, so adding one
+means writing one small function and one table entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_stream.config import opt, require
+
+Variant = Literal["grpo_offpolicy_approx", "grpo_offpolicy_exact", "gspo", "decoupled_ppo"]
+Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
+ISCorrection = Literal["tis", "mis"]
+
+# Log-ratios are clamped before exp() so that a broken logprob (e.g. a -inf placeholder from the serving
+# engine) cannot become inf and then NaN via inf * 0 (zero advantage, padding). e^20 ~ 5e8 lies far outside
+# every clip range: the clamp only changes tokens whose term is already clipped, or A<0 tokens with an
+# absurd ratio (whose gradient it then cuts, like dual-clip PPO would).
+MAX_LOG_RATIO = 20.0
+
+_NEEDS_PROXIMAL: frozenset[Variant] = frozenset({"grpo_offpolicy_exact", "decoupled_ppo"})
+
+
+@dataclass
+class LossConfig:
+    """Which surrogate objective, how it is clipped, regularised, corrected and aggregated."""
+
+    variant: Variant = opt(
+        "grpo_offpolicy_approx",
+        "grpo_offpolicy_approx: eq. 6 of arXiv 2505.22257 with pi_k/alpha ~ 1 (clip pi/alpha around 1); "
+        "grpo_offpolicy_exact: eq. 6 (clip pi/alpha around pi_k/alpha; needs proximal logprobs); "
+        "gspo: sequence-level ratio (arXiv 2507.18071); decoupled_ppo: AReaL (arXiv 2505.24298; needs "
+        "proximal logprobs).")
+    eps_low: float = opt(
+        0.2, "Lower clip range: ratios below 1 - eps_low stop pushing A<0 tokens down. In [0, 1).")
+    eps_high: float = opt(0.2, "Upper clip range (DAPO clip-higher: eps_high > eps_low, e.g. 0.28). >= 0.")
+    beta: float = opt(0.0, "KL(pi || pi_ref) coefficient (k3 estimator); > 0 needs reference logprobs.")
+    agg: Aggregation = opt(
+        "seq_mean_token_mean",
+        "seq_mean_token_mean: GRPO (token mean per sequence, then mean over sequences); token_mean: DAPO "
+        "(arXiv 2503.14476; mean over all tokens of the batch); seq_mean_token_sum_norm: Dr.GRPO "
+        "(arXiv 2503.20783; per-sequence sum / max_len_norm, then mean over sequences).")
+    max_len_norm: int = opt(
+        1024, "The Dr.GRPO constant dividing each sequence's token sum (usually the max new tokens).")
+    is_correction: ISCorrection | None = opt(
+        None,
+        "Generator/learner mismatch correction with w = pi_k/alpha per token (needs proximal logprobs): "
+        "tis multiplies each term by min(w, is_cap); mis drops tokens with w > is_cap and weights the rest "
+        "by w. With decoupled_ppo it replaces (not multiplies) the variant's own weight w.")
+    is_cap: float = opt(2.0, "The TIS cap / MIS threshold C on w = pi_k/alpha. > 0.")
+
+    def validate(self) -> None:
+        require(self.variant in _VARIANTS, f"loss.variant: {self.variant!r} is not one of {list(_VARIANTS)}")
+        require(self.agg in _AGGREGATIONS, f"loss.agg: {self.agg!r} is not one of {list(_AGGREGATIONS)}")
+        require(self.is_correction is None or self.is_correction in _CORRECTIONS,
+                f"loss.is_correction: {self.is_correction!r} is not one of {list(_CORRECTIONS)} or null")
+        require(0.0 <= self.eps_low < 1.0,
+                f"loss.eps_low: must be in [0, 1) so that the lower clip bound 1 - eps_low stays positive, "
+                f"got {self.eps_low}")
+        require(self.eps_high >= 0.0,
+                f"loss.eps_high: must be >= 0 (0.2 is usual, 0.28 for DAPO clip-higher), got {self.eps_high}")
+        require(self.beta >= 0.0,
+                f"loss.beta: the KL coefficient must be >= 0 (0 disables the KL term), got {self.beta}")
+        require(self.is_cap > 0.0, f"loss.is_cap: must be > 0 (2.0 is usual), got {self.is_cap}")
+        require(self.max_len_norm >= 1,
+                f"loss.max_len_norm: must be >= 1 (set it to the generation's max new tokens), "
+                f"got {self.max_len_norm}")
+
+    def requires_proximal(self) -> bool:
+        """Whether ``compute_loss`` needs ``proximal_logprobs`` (the learner's pre-step logprobs)."""
+        return self.variant in _NEEDS_PROXIMAL or self.is_correction is not None
+
+    def requires_ref(self) -> bool:
+        """Whether ``compute_loss`` needs ``ref_logprobs``."""
+        return self.beta > 0.0
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch, all [B, T] except ``advantages`` [B]."""
+
+    logprobs: Tensor  # log pi(y_t | x, y_<t) under the current weights; requires grad
+    behaviour_logprobs: Tensor  # log alpha(y_t | ...), reported by the generator that sampled y
+    proximal_logprobs: Tensor | None  # log pi_k(y_t | ...), learner's weights before this step, no grad
+    ref_logprobs: Tensor | None  # log pi_ref(y_t | ...) for the KL term; needed when beta > 0
+    advantages: Tensor  # A_alpha(x, y), one per sequence (learner.advantages.group_advantages)
+    mask: Tensor  # 1 / True on completion tokens that count, 0 / False on prompt and padding
+
+
+@dataclass
+class LossOutputs:
+    """The scalar to minimise and detached diagnostics.
+
+    ``metrics`` (over the counted tokens, i.e. after MIS rejection): clip_frac_low / clip_frac_high (the
+    clipped branch binds: A<0 and ratio < lower bound / A>0 and ratio > upper bound), ratio_mean, ratio_max
+    (of the ratio the variant clips: pi/alpha, the sequence ratio for gspo, pi/pi_k for decoupled_ppo), kl
+    (aggregated k3, not times beta; 0.0 when beta == 0), tokens; decoupled_weight_mean (decoupled_ppo without
+    is_correction); is_weight_mean and is_dropped_frac (with is_correction).
+    """
+
+    loss: Tensor  # -(aggregated objective) + beta * (aggregated KL); scalar
+    metrics: dict[str, float]
+
+
+class _Prepared(NamedTuple):
+    """Inputs cast to one dtype, old-policy tensors detached, mask as bool (after any MIS rejection)."""
+
+    logp: Tensor
+    behaviour: Tensor
+    proximal: Tensor | None
+    adv: Tensor  # [B, 1], broadcasts over tokens
+    mask: Tensor  # bool [B, T]
+
+
+class _Surrogate(NamedTuple):
+    """A variant's per-token objective before any importance weight, plus what the metrics need."""
+
+    objective: Tensor  # [B, T]
+    ratio: Tensor  # [B, T], the ratio that is clipped
+    low: Tensor | float  # the clip bounds that ratio is compared with (broadcastable to [B, T])
+    high: Tensor | float
+    weight: Tensor | None  # the variant's own detached behaviour-correction weight, if any
+
+
+def _log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    # where() rather than * mask: padding positions may hold garbage (inf, NaN) that * 0 would propagate.
+    return torch.where(mask, num - den, torch.zeros_like(num)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def _clipped_term(ratio: Tensor, low: Tensor | float, high: Tensor | float, adv: Tensor) -> Tensor:
+    """The PPO surrogate min(r A, clip(r, low, high) A) (Schulman et al., arXiv 1707.06347, eq. 7)."""
+    return torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+
+
+def _grpo_offpolicy_approx(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """Off-policy GRPO, approximate clip (arXiv 2505.22257, eq. 6 with pi_k/alpha ~ 1, per token)::
+
+        r_t = pi(y_t) / alpha(y_t);   term_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
+
+    The paper found it more stable than the exact form. With alpha = pi_k it is standard clipped GRPO
+    (Shao et al., arXiv 2402.03300).
+    """
+    ratio = torch.exp(_log_ratio(p.logp, p.behaviour, p.mask))
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, None)
+
+
+def _grpo_offpolicy_exact(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """Off-policy GRPO, exact clip (arXiv 2505.22257, eq. 6; after G-PPO / ToPPO)::
+
+        r_t = pi / alpha,  r'_t = pi_k / alpha
+        term_t = min(r_t A, clip(r_t, max(r'_t - eps_low, 0), r'_t + eps_high) A)
+
+    Keeps pi/alpha within eps of pi_k/alpha, i.e. pi close to pi_k, whatever the staleness of alpha.
+    """
+    assert p.proximal is not None  # compute_loss checks this with a proper error
+    ratio = torch.exp(_log_ratio(p.logp, p.behaviour, p.mask))
+    r_prox = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
+    low, high = (r_prox - cfg.eps_low).clamp_min(0.0), r_prox + cfg.eps_high
+    return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, None)
+
+
+def _gspo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """GSPO, sequence-level ratio (Zheng et al., arXiv 2507.18071, the GSPO objective)::
+
+        s = exp( (1/|y|) sum_t log(pi(y_t) / alpha(y_t)) )      (geometric mean of the token ratios)
+        term = min(s A, clip(s, 1 - eps_low, 1 + eps_high) A),  broadcast to every token of y
+
+    so that seq_mean_token_mean yields exactly the sequence term. The GSPO paper clips far tighter than the
+    token-level variants (eps ~ 3e-4 / 4e-4): the geometric mean moves much less than single token ratios.
+    """
+    log_r = _log_ratio(p.logp, p.behaviour, p.mask)
+    n = p.mask.sum(dim=-1, keepdim=True).clamp_min(1)
+    seq_ratio = torch.exp(log_r.sum(dim=-1, keepdim=True) / n)
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    term = _clipped_term(seq_ratio, low, high, p.adv).expand_as(log_r)
+    return _Surrogate(term, seq_ratio.expand_as(log_r), low, high, None)
+
+
+def _decoupled_ppo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """Decoupled PPO (AReaL, Fu et al., arXiv 2505.24298; after Hilton et al., arXiv 2110.00641)::
+
+        w_t = pi_k / alpha (no grad),  rp_t = pi / pi_k
+        term_t = w_t * min(rp_t A, clip(rp_t, 1 - eps_low, 1 + eps_high) A)
+
+    The trust region is centred on the recent proximal policy, and w corrects for sampling from alpha.
+    w is returned as the surrogate's ``weight`` (applied by compute_loss) so that an ``is_correction``
+    replaces it by its truncated / masked form instead of applying a second importance weight.
+    """
+    assert p.proximal is not None  # compute_loss checks this with a proper error
+    ratio = torch.exp(_log_ratio(p.logp, p.proximal, p.mask))
+    weight = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, weight)
+
+
+_VARIANTS: dict[Variant, Callable[[_Prepared, LossConfig], _Surrogate]] = {
+    "grpo_offpolicy_approx": _grpo_offpolicy_approx,
+    "grpo_offpolicy_exact": _grpo_offpolicy_exact,
+    "gspo": _gspo,
+    "decoupled_ppo": _decoupled_ppo,
+}
+
+
+def _seq_mean_token_mean(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
+    """GRPO (arXiv 2402.03300, eq. 3): (1/B) sum_b (1/|y_b|) sum_t x_bt.
+
+    A sequence with no counted token contributes 0 but still counts in B, so the weight of every other
+    sequence does not depend on it.
+    """
+    per_seq = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / mask.sum(dim=-1).clamp_min(1)
+    return per_seq.mean()
+
+
+def _token_mean(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
+    """DAPO token-level loss (arXiv 2503.14476, sec. 3.3): sum_bt x_bt / sum_b |y_b|.
+
+    Every token weighs the same, so long answers weigh more than under the per-sequence mean."""
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
+    """Dr.GRPO (arXiv 2503.20783, sec. 3): (1/B) sum_b (1/L) sum_t x_bt with a constant L = max_len_norm,
+    which removes GRPO's bias towards long wrong / short right answers."""
+    return (torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / max_len_norm).mean()
+
+
+_AGGREGATIONS: dict[Aggregation, Callable[[Tensor, Tensor, int], Tensor]] = {
+    "seq_mean_token_mean": _seq_mean_token_mean,
+    "token_mean": _token_mean,
+    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
+}
+
+
+def _tis(w: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training", fengyao.notion.site/off-policy-rl): weight_t = min(w_t, C), mask unchanged."""
+    return w.clamp_max(cap), mask
+
+
+def _mis(w: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Masked IS (Liu, Li et al. 2025, "When speed kills stability"): weight_t = w_t 1[w_t <= C].
+
+    Rejected tokens leave the mask altogether (as in verl's rollout_is mode=mask): they drop out of the
+    surrogate, the KL term, the aggregation denominators and the metrics, as if never sampled.
+    """
+    return w, mask & (w <= cap)
+
+
+_CORRECTIONS: dict[ISCorrection, Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]] = {
+    "tis": _tis,
+    "mis": _mis,
+}
+
+
+def _k3(logp: Tensor, ref: Tensor, mask: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman 2020, "Approximating KL divergence"; as in TRL
+    and DeepSeekMath eq. 4): exp(ref - logp) - (ref - logp) - 1 >= 0, unbiased under samples of pi."""
+    d = _log_ratio(ref, logp, mask)
+    return torch.exp(d) - d - 1.0
+
+
+def _prepare(inputs: LossInputs, cfg: LossConfig) -> _Prepared:
+    """Check shapes and required tensors; cast to one float dtype (at least float32, since ratios of bf16
+    logprobs are too coarse for a 0.2 clip range); detach everything but the current logprobs."""
+    logp = inputs.logprobs
+    if logp.dim() != 2:
+        raise ValueError(f"logprobs: expected [B, T], got shape {tuple(logp.shape)}")
+    named = {"behaviour_logprobs": inputs.behaviour_logprobs, "proximal_logprobs": inputs.proximal_logprobs,
+             "ref_logprobs": inputs.ref_logprobs, "mask": inputs.mask}
+    for name, t in named.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} differs from logprobs {tuple(logp.shape)}")
+    if inputs.advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages: expected shape [B] = {tuple(logp.shape[:1])}, "
+                         f"got {tuple(inputs.advantages.shape)}")
+    if cfg.requires_proximal() and inputs.proximal_logprobs is None:
+        needs = cfg.variant in _NEEDS_PROXIMAL
+        why = f"variant={cfg.variant}" if needs else f"is_correction={cfg.is_correction}"
+        raise ValueError(f"loss.{why} needs proximal_logprobs (the learner's logprobs under its pre-step "
+                         "weights, from a no-grad forward pass); pass them, or use "
+                         "variant=grpo_offpolicy_approx with is_correction=null")
+    if cfg.requires_ref() and inputs.ref_logprobs is None:
+        raise ValueError(f"loss.beta={cfg.beta} needs ref_logprobs; pass them or set loss.beta=0")
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    mask = inputs.mask if inputs.mask.dtype == torch.bool else inputs.mask != 0
+    prox = inputs.proximal_logprobs
+    return _Prepared(
+        logp=logp.to(dtype),
+        behaviour=inputs.behaviour_logprobs.detach().to(dtype),
+        proximal=None if prox is None else prox.detach().to(dtype),
+        adv=inputs.advantages.detach().to(dtype).unsqueeze(-1),
+        mask=mask,
+    )
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def _metrics(p: _Prepared, s: _Surrogate, kl: Tensor, is_w: Tensor | None,
+             mask_in: Tensor) -> dict[str, float]:
+    """Detached diagnostics over the counted tokens, gathered with a single device sync."""
+    with torch.no_grad():
+        m, ratio = p.mask, s.ratio.detach()
+        low = s.low.detach() if isinstance(s.low, Tensor) else s.low
+        high = s.high.detach() if isinstance(s.high, Tensor) else s.high
+        # binding = the clipped branch wins the min(), which is when the gradient is cut off
+        bind_low = m & (p.adv < 0) & (ratio < low)
+        bind_high = m & (p.adv > 0) & (ratio > high)
+        n = m.sum()
+        # ratios are > 0, so filling uncounted tokens with 0 leaves the max alone (and gives 0 without tokens)
+        ratio_max = torch.where(m, ratio, torch.zeros_like(ratio)).amax() if ratio.numel() else n * 0
+        values = {
+            "clip_frac_low": _masked_mean(bind_low.to(ratio.dtype), m),
+            "clip_frac_high": _masked_mean(bind_high.to(ratio.dtype), m),
+            "ratio_mean": _masked_mean(ratio, m),
+            "ratio_max": ratio_max,
+            "kl": kl.detach(),
+            "tokens": n.to(ratio.dtype),
+        }
+        if s.weight is not None and is_w is None:
+            values["decoupled_weight_mean"] = _masked_mean(s.weight, m)
+        if is_w is not None:
+            values["is_weight_mean"] = _masked_mean(is_w, m)
+            values["is_dropped_frac"] = 1.0 - n / mask_in.sum().clamp_min(1)
+        keys = list(values)
+        flat = torch.stack([torch.as_tensor(values[k], dtype=ratio.dtype, device=ratio.device) for k in keys])
+        return dict(zip(keys, flat.tolist(), strict=True))
+
+
+def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """``loss = -agg(w_t * term_t) + beta * agg(k3_t)`` over the counted tokens (arXiv 2505.22257, eq. 7).
+
+    ``term_t`` comes from ``cfg.variant``, ``agg`` from ``cfg.agg``; ``w_t`` is the IS correction
+    (``cfg.is_correction``) or else the variant's own weight (decoupled_ppo) or else 1. The setting of
+    Yao et al. (ratio against the learner's pi_k, truncated weight pi_k/alpha) is decoupled_ppo + tis; on
+    the variants whose ratio is already pi/alpha (approx, exact, gspo) the weight is an extra factor on top.
+
+    For zero-variance groups (all advantages 0) the surrogate and its gradient vanish; to also drop their
+    KL term as eq. 8 does, zero their rows of ``mask``. Every mean is over this call's tensors only: with
+    gradient accumulation over micro-batches the caller rescales (B_micro / B for the sequence means).
+    """
+    cfg.validate()
+    p = _prepare(inputs, cfg)
+    mask_in = p.mask
+    is_w: Tensor | None = None
+    if cfg.is_correction is not None:
+        assert p.proximal is not None  # _prepare raised otherwise
+        w = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
+        is_w, mask = _CORRECTIONS[cfg.is_correction](w, p.mask, cfg.is_cap)
+        p = p._replace(mask=mask)
+    s = _VARIANTS[cfg.variant](p, cfg)
+    weight = is_w if is_w is not None else s.weight
+    per_token = s.objective if weight is None else s.objective * weight
+    aggregate = _AGGREGATIONS[cfg.agg]
+    objective = aggregate(per_token, p.mask, cfg.max_len_norm)
+    kl = objective.new_zeros(())
+    if cfg.beta > 0.0:
+        assert inputs.ref_logprobs is not None  # _prepare raised otherwise
+        ref = inputs.ref_logprobs.detach().to(p.logp.dtype)
+        kl = aggregate(_k3(p.logp, ref, p.mask), p.mask, cfg.max_len_norm)
+    loss = -objective + cfg.beta * kl
+    return LossOutputs(loss=loss, metrics=_metrics(p, s, kl, is_w, mask_in))

@@ -174,6 +174,9 @@ class ScoredGroup(Record):
         for c in self.completions:
             if c.group_id != self.group_id:
                 raise WireError(f"completions: member of {c.group_id!r} in group {self.group_id!r}")
+            if c.group_size != self.group_size:
+                raise WireError(f"completions: index {c.index} says group_size {c.group_size}, "
+                                f"group has {self.group_size}")
             if c.index in seen:
                 raise WireError(f"completions: index {c.index} twice")
             if c.policy_version != self.policy_version:
@@ -207,7 +210,8 @@ class WeightsAnnouncement(Record):
         _require(self.store in WEIGHT_STORES, f"store: {self.store!r} not in {sorted(WEIGHT_STORES)}")
         _require(len(self.sha256) == 64 and all(ch in "0123456789abcdef" for ch in self.sha256),
                  "sha256: must be 64 lowercase hex digits")
-        _require(self.size_bytes >= 0 and self.num_chunks >= 0 and self.chunk_bytes >= 0, "sizes: must be >= 0")
+        for name in ("size_bytes", "num_chunks", "chunk_bytes"):
+            _require(getattr(self, name) >= 0, f"sizes: {name} must be >= 0, got {getattr(self, name)}")
         _require(self.store != "kafka" or self.num_chunks > 0, "num_chunks: the kafka store needs >= 1 chunk")
 
 
@@ -256,16 +260,44 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _to_wire(record: Record) -> dict[str, Any]:
-    record.validate()
+    """The msgpack-ready form of ``record``, checked by the same field checkers the decoder runs (so encode
+    never writes what decode would reject), then the cross-field invariants on the arrays as packed."""
     out: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
     for name, spec in _specs(type(record)):
         value = getattr(record, name)
-        if spec.dtype is not None:
-            value = np.ascontiguousarray(value, dtype=spec.dtype).tobytes()
-        elif spec.record is not None:
-            value = [_to_wire(v) for v in value]
+        try:
+            if spec.dtype is not None:
+                value = _pack_array(value, spec.dtype).tobytes()
+                arrays[name] = spec.check(value)
+            elif spec.record is not None:
+                if type(value) is not list:
+                    raise _type_error("a list", value)
+                value = [_to_wire(v) for v in value]
+            else:
+                value = spec.check(value)
+        except WireError as exc:
+            raise WireError(f"{record.TYPE}.{name}: {exc}") from None
         out[name] = value
+    (dataclasses.replace(record, **arrays) if arrays else record).validate()  # type: ignore[type-var]
     return out
+
+
+def _pack_array(value: Any, dtype: str) -> np.ndarray:
+    """A 1-D array as the wire dtype, refusing values the cast would silently change (int64 wrap-around)."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise WireError(f"expected a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=dtype)
+    if dtype == "<i4":
+        if arr.dtype.kind not in "iu":
+            raise WireError(f"expected integer token ids, got dtype {arr.dtype}")
+        if arr.max() > np.iinfo(np.int32).max:
+            raise WireError(f"token id {arr.max()} does not fit int32")
+    elif arr.dtype.kind not in "fiu":
+        raise WireError(f"expected numbers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 
 def encode(record: Record) -> bytes:
@@ -294,7 +326,8 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise WireError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     _require(isinstance(body, dict), f"expected a msgpack map, got {type(body).__name__}")
     version, tag = body.pop("_v", None), body.pop("_t", None)
-    _require(version == SCHEMA_VERSION, f"schema version {version!r} not supported (expected {SCHEMA_VERSION})")
+    _require(type(version) is int and version == SCHEMA_VERSION,
+             f"schema version {version!r} not supported (expected {SCHEMA_VERSION})")
     cls = RECORD_TYPES.get(tag) if isinstance(tag, str) else None
     _require(cls is not None, f"unknown record type {tag!r}")
     if expected is not None:

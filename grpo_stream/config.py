@@ -256,6 +256,12 @@ def _coerce_scalar(hint: Any, value: Any, where: str) -> Any:
         return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads 3e-3 (no dot) as a string; every user writes learning rates that way.
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if hint is int and isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if hint is str and isinstance(value, int | float) and not isinstance(value, bool):

@@ -1,0 +1,313 @@
+"""Weight store: fs and kafka round trips byte for byte, GC, corruption and loss detection, catching up on the
+compacted announcements topic. The fs tests need no broker; the kafka ones use the session broker."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from kafka.producer.future import FutureRecordMetadata
+
+from grpo_stream import wire
+from grpo_stream.config import ConfigError, KafkaConfig, TopicsConfig, load_config
+from grpo_stream.kafka_io import make_producer
+from grpo_stream.weight_store import (
+    MODEL_FILE,
+    WeightFetcher,
+    WeightFetchError,
+    WeightPublisher,
+    WeightStoreConfig,
+    latest_announcement,
+    sha256_file,
+)
+
+MiB = 1 << 20
+
+
+def _blob(path: Path, size: int, seed: int) -> bytes:
+    """Random bytes: the store treats weights opaquely, and random data defeats any accidental compression."""
+    data = np.random.default_rng(seed).bytes(size)
+    path.write_bytes(data)
+    return data
+
+
+def _fs_cfg(tmp_path: Path, **kw: object) -> WeightStoreConfig:
+    return WeightStoreConfig(root=str(tmp_path / "store"), fetch_retries=2, fetch_backoff_s=0.01, **kw)
+
+
+def _versions(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir())
+
+
+@pytest.fixture
+def topics(new_topic: Callable[..., str]) -> TopicsConfig:
+    plan = TopicsConfig()
+    plan.weights.name = new_topic("weights", 1, {"cleanup.policy": "compact"})
+    plan.weight_data.name = new_topic("weight-data", 1, {"max.message.bytes": str(16 * MiB)})
+    return plan
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+def test_config_validation_is_actionable() -> None:
+    cfg = load_config(WeightStoreConfig, overrides=["kind=kafka", "chunk_bytes=1048576", "keep=2"])
+    assert (cfg.kind, cfg.chunk_bytes, cfg.keep) == ("kafka", MiB, 2)
+    with pytest.raises(ConfigError, match="weights.keep"):
+        WeightStoreConfig(keep=0).validate()
+    with pytest.raises(ConfigError, match=r"weights.chunk_bytes.*kafka.max_record_bytes.*<= 16711680"):
+        WeightPublisher(WeightStoreConfig(kind="kafka", chunk_bytes=16 * MiB), KafkaConfig(), TopicsConfig(), "r")
+    # The fs store does not chunk, so the Kafka record limit does not apply to it.
+    WeightPublisher(WeightStoreConfig(kind="fs", chunk_bytes=16 * MiB), KafkaConfig(), TopicsConfig(), "r")
+    with pytest.raises(ValueError, match="run name"):
+        WeightPublisher(WeightStoreConfig(), KafkaConfig(), TopicsConfig(), "../etc")
+
+
+# ------------------------------------------------------------------------------------------ fs store
+
+
+def test_fs_round_trip_and_keep_gc(tmp_path: Path) -> None:
+    cfg = _fs_cfg(tmp_path, keep=2)
+    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "run-a")
+    (tmp_path / "config.json").write_text('{"model_type": "toy"}')
+    blobs, anns = [], []
+    for v in (1, 2, 3):
+        blobs.append(_blob(tmp_path / f"w{v}.bin", 3 * MiB + v, seed=v))
+        anns.append(pub.publish(v, {MODEL_FILE: tmp_path / f"w{v}.bin", "config.json": tmp_path / "config.json"}))
+    ann = anns[-1]
+    assert (ann.store, ann.location, ann.size_bytes) == ("fs", f"run-a/v00000003/{MODEL_FILE}", 3 * MiB + 3)
+    assert ann.sha256 == sha256_file(tmp_path / "w3.bin")
+    assert wire.decode(wire.encode(ann), wire.WeightsAnnouncement) == ann
+    # keep=2: the oldest version is gone, and no temp/trash directory is left behind.
+    assert _versions(tmp_path / "store" / "run-a") == ["v00000002", "v00000003"]
+
+    fetcher = WeightFetcher(cfg, KafkaConfig())
+    for a, data in zip(anns[1:], blobs[1:], strict=True):
+        path = fetcher.fetch(a)
+        assert path.read_bytes() == data and sha256_file(path) == a.sha256
+        assert (path.parent / "config.json").read_text() == '{"model_type": "toy"}'
+    with pytest.raises(WeightFetchError, match="missing.*gave up after 3 attempts"):
+        fetcher.fetch(anns[0])
+
+
+def test_fs_never_deletes_the_version_just_published(tmp_path: Path) -> None:
+    cfg = _fs_cfg(tmp_path, keep=2)
+    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r")
+    src = tmp_path / "w.bin"
+    for v in (10, 11, 12):
+        _blob(src, 1000, seed=v)
+        pub.publish(v, {MODEL_FILE: src})
+    # A learner that rewound to a checkpoint publishes a lower number: it survives, the oldest other goes.
+    _blob(src, 1000, seed=5)
+    pub.publish(5, {MODEL_FILE: src})
+    assert _versions(tmp_path / "store" / "r") == ["v00000005", "v00000011", "v00000012"]
+    # Re-publishing a version replaces it; the old announcement no longer verifies.
+    old = pub.publish(12, {MODEL_FILE: src})
+    new_data = _blob(src, 2000, seed=99)
+    new = pub.publish(12, {MODEL_FILE: src})
+    fetcher = WeightFetcher(cfg, KafkaConfig())
+    assert fetcher.fetch(new).read_bytes() == new_data
+    with pytest.raises(WeightFetchError, match="size mismatch"):
+        fetcher.fetch(old)
+
+
+def test_fs_corrupt_file_is_retried_then_rejected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _fs_cfg(tmp_path)
+    src = tmp_path / "w.bin"
+    _blob(src, 3 * MiB, seed=1)
+    ann = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r").publish(1, {MODEL_FILE: src})
+    stored = tmp_path / "store" / ann.location
+
+    def flip() -> None:
+        with open(stored, "r+b") as f:
+            f.seek(12345)
+            byte = f.read(1)
+            f.seek(12345)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    flip()
+    fetcher = WeightFetcher(cfg, KafkaConfig())
+    with caplog.at_level(logging.WARNING, "grpo_stream.weight_store"), \
+            pytest.raises(WeightFetchError, match=r"sha256 mismatch.*gave up after 3 attempts"):
+        fetcher.fetch(ann)
+    assert sum("retry" in r.getMessage() for r in caplog.records) == 2
+    # A transient corruption that heals during the backoff (e.g. a volume catching up) is ridden out.
+    patient = WeightFetcher(WeightStoreConfig(root=cfg.root, fetch_retries=5, fetch_backoff_s=0.05), KafkaConfig())
+    healer = threading.Timer(0.08, flip)
+    healer.start()
+    assert patient.fetch(ann) == stored
+    healer.join()
+
+
+def test_fs_version_deleted_while_being_verified_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import grpo_stream.weight_store as ws
+
+    cfg = _fs_cfg(tmp_path, keep=1)
+    src = tmp_path / "w.bin"
+    _blob(src, MiB, seed=1)
+    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r")
+    ann = pub.publish(1, {MODEL_FILE: src})
+    real_pump = ws._pump
+
+    def pump_then_gc(*args: object) -> int:  # the learner's GC strikes while this fetcher is hashing
+        n = real_pump(*args)
+        monkeypatch.setattr(ws, "_pump", real_pump)
+        pub.publish(2, {MODEL_FILE: src})
+        return n
+
+    monkeypatch.setattr(ws, "_pump", pump_then_gc)
+    with pytest.raises(WeightFetchError, match="missing"):
+        WeightFetcher(cfg, KafkaConfig()).fetch(ann)
+    assert _versions(tmp_path / "store" / "r") == ["v00000002"]
+
+
+def test_fs_real_safetensors(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"w": torch.randn(64, 128), "b": torch.arange(10, dtype=torch.int64)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    cfg = _fs_cfg(tmp_path)
+    ann = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "st").publish(0, {MODEL_FILE: tmp_path / "m.safetensors"})
+    loaded = load_file(str(WeightFetcher(cfg, KafkaConfig()).fetch(ann)))
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
+
+# ------------------------------------------------------------------------------------------ kafka store
+
+
+def test_kafka_round_trip_and_cache(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path) -> None:
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "unused"), chunk_bytes=MiB)
+    data = _blob(tmp_path / "w.bin", 20 * MiB + 123, seed=7)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "run-k")
+    fetcher = WeightFetcher(cfg, kafka_cfg, cache_dir=tmp_path / "cache")
+    try:
+        ann = pub.publish(1, {MODEL_FILE: tmp_path / "w.bin", "config.json": tmp_path / "w.bin"})
+        assert (ann.store, ann.num_chunks, ann.chunk_bytes, ann.size_bytes) == ("kafka", 21, MiB, len(data))
+        assert ann.location == f"{topics.weight_data.name}:0:0"
+        path = fetcher.fetch(ann)
+        assert path == tmp_path / "cache" / "run-k" / "v00000001" / MODEL_FILE
+        assert path.read_bytes() == data
+        assert fetcher.fetch(ann) == path  # cache hit, verified again
+        path.write_bytes(b"stale")  # a damaged cache entry is downloaded again, not trusted
+        assert fetcher.fetch(ann).read_bytes() == data
+        assert _versions(path.parent.parent) == ["v00000001"]  # no temp files left in the cache
+    finally:
+        pub.close()
+        fetcher.close()
+
+
+def _send_chunk(producer: KafkaProducer, topic: str, run: str, version: int, data: bytes, chunk: int,
+                index: int) -> FutureRecordMetadata:
+    """Send chunk ``index`` of ``data`` by hand, as a second publisher sharing the topic would."""
+    record = wire.WeightChunk(run=run, version=version, index=index, num_chunks=-(-len(data) // chunk),
+                              data=data[index * chunk:(index + 1) * chunk])
+    return producer.send(topic, key=f"{run}/{version}".encode(), value=wire.encode(record))
+
+
+def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+                                                           tmp_path: Path) -> None:
+    chunk, topic = 256 * 1024, topics.weight_data.name
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=chunk)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "A")
+    producer = make_producer(kafka_cfg, "test", compression_type=None)
+    fetcher = WeightFetcher(cfg, kafka_cfg)
+    try:
+        a1 = _blob(tmp_path / "a1", 2 * MiB, seed=1)
+        ann_a1 = pub.publish(1, {MODEL_FILE: tmp_path / "a1"})
+        # An abandoned first attempt at A v2 (same key, other bytes), then A v2 and B v1 chunk by chunk, alternating.
+        a2, b1, junk = (np.random.default_rng(s).bytes(2 * MiB - s) for s in (2, 3, 4))
+        for i in range(2):
+            _send_chunk(producer, topic, "A", 2, junk, chunk, i)
+        futs_a, futs_b = [], []
+        for i in range(-(-len(a2) // chunk)):
+            futs_a.append(_send_chunk(producer, topic, "A", 2, a2, chunk, i))
+            futs_b.append(_send_chunk(producer, topic, "B", 1, b1, chunk, i))
+        producer.flush()
+        anns = {}
+        for run, data, futs in (("A", a2, futs_a), ("B", b1, futs_b)):
+            first = futs[0].get(timeout=30)
+            anns[run] = wire.WeightsAnnouncement(
+                run=run, version=2 if run == "A" else 1, store="kafka", location=f"{topic}:0:{first.offset}",
+                sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data),
+                num_chunks=len(futs), chunk_bytes=chunk, published_at=wire.now())
+        assert fetcher.fetch(anns["B"]).read_bytes() == b1
+        assert fetcher.fetch(anns["A"]).read_bytes() == a2
+        assert fetcher.fetch(ann_a1).read_bytes() == a1
+        # A bare-topic location makes the fetcher scan by time: it passes the abandoned attempt and restarts.
+        bare = WeightFetcher(cfg, kafka_cfg, cache_dir=tmp_path / "bare")
+        anns["A"].location = topic
+        assert bare.fetch(anns["A"]).read_bytes() == a2
+        bare.close()
+    finally:
+        pub.close()
+        producer.close()
+        fetcher.close()
+
+
+def test_kafka_tampered_or_deleted_chunks_are_reported(kafka_cfg: KafkaConfig, topics: TopicsConfig, admin:
+                                                       KafkaAdminClient, tmp_path: Path) -> None:
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_backoff_s=0.01)
+    _blob(tmp_path / "w", 3 * MiB, seed=4)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "t")
+    fetcher = WeightFetcher(cfg, kafka_cfg)
+    try:
+        ann = pub.publish(1, {MODEL_FILE: tmp_path / "w"})
+        ann.sha256 = "0" * 64
+        t0 = time.monotonic()
+        with pytest.raises(WeightFetchError, match="sha256 mismatch"):
+            fetcher.fetch(ann)
+        assert time.monotonic() - t0 < 10  # immutable records: not retried
+        assert not (tmp_path / "cache" / "t" / "v00000001" / MODEL_FILE).exists()  # nothing unverified kept
+        ann2 = pub.publish(2, {MODEL_FILE: tmp_path / "w"})
+        admin.delete_records({TopicPartition(topics.weight_data.name, 0): 5})  # as retention would
+        with pytest.raises(WeightFetchError, match="retention"):
+            fetcher.fetch(ann2)
+    finally:
+        pub.close()
+        fetcher.close()
+
+
+# ------------------------------------------------------------------------------------------ announcements
+
+
+def _ann(run: str, version: int) -> wire.WeightsAnnouncement:
+    return wire.WeightsAnnouncement(run=run, version=version, store="fs", sha256=f"{version:064x}", size_bytes=1,
+                                    location=f"{run}/v{version:08d}/{MODEL_FILE}", published_at=wire.now())
+
+
+def test_latest_announcement(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path) -> None:
+    cfg = _fs_cfg(tmp_path)
+    pubs = {run: WeightPublisher(cfg, kafka_cfg, topics, run) for run in ("A", "B")}
+    raw = make_producer(kafka_cfg, "test")
+    topic = topics.weights.name
+    try:
+        assert latest_announcement(kafka_cfg, topic, "A") is None  # empty topic
+        for v in (1, 2):
+            pubs["A"].announce(_ann("A", v))
+        pubs["B"].announce(_ann("B", 1))
+        raw.send(topic, key=b"A", value=b"\x00not msgpack")  # garbage under the run's own key
+        raw.send(topic, key=b"A", value=wire.encode(_ann("B", 9)))  # mis-keyed
+        a3 = _ann("A", 3)
+        pubs["A"].announce(a3)
+        raw.send(topic, key=b"A", value=wire.encode(wire.WeightChunk(run="A", version=4, index=0, num_chunks=1,
+                                                                     data=b"x")))  # wrong record type
+        raw.send(topic, key=b"zz", value=b"garbage")
+        raw.flush()
+        assert latest_announcement(kafka_cfg, topic, "A") == a3
+        b = latest_announcement(kafka_cfg, topic, "B")
+        assert b is not None and (b.run, b.version) == ("B", 1)
+        assert latest_announcement(kafka_cfg, topic, "nobody") is None
+        with pytest.raises(WeightFetchError, match="not found"):
+            latest_announcement(kafka_cfg, "no-such-topic-xyz", "A", timeout_s=5)
+    finally:
+        raw.close()
+        for p in pubs.values():
+            p.close()

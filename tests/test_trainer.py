@@ -44,8 +44,8 @@ def sample_groups(model: torch.nn.Module, tok: AutoTokenizer, step: int, seed: i
         with torch.no_grad():
             ids = prompt.repeat(G, 1)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, top_k=0, top_p=1.0, temperature=1.0, output_scores=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, top_k=0, top_p=1.0,
+                                 temperature=1.0, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
         new = out.sequences[:, prompt.shape[1]:]
         logp = torch.stack(out.scores, 1).float().log_softmax(-1).gather(-1, new[..., None])[..., 0]
         gid = wire.make_group_id(f"q{p}", step)

@@ -45,10 +45,17 @@ def _topics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _learner(args: argparse.Namespace) -> int:
+    from learner.service import main
+
+    return main(args.config, args.overrides)
+
+
 def _config(args: argparse.Namespace) -> int:
     from grpo_stream.config import TopicsFileConfig, explain
+    from learner.config import LearnerConfig
 
-    roles = {"topics": TopicsFileConfig}
+    roles = {"topics": TopicsFileConfig, "learner": LearnerConfig}
     for line in explain(roles[args.role]):
         print(line)
     return 0
@@ -85,9 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. topics.groups.partitions=8")
     t.set_defaults(fn=_topics)
 
+    ln = sub.add_parser("learner", help="train on scored groups; publish weights; checkpoint")
+    ln.add_argument("--config", default=None, help="learner YAML (see configs/, `config explain learner`)")
+    ln.add_argument("overrides", nargs="*", help="key=value overrides, e.g. publish_every=10 loss.beta=0.1")
+    ln.set_defaults(fn=_learner)
+
     c = sub.add_parser("config", help="explain every config key of a role")
     c.add_argument("action", choices=["explain"])
-    c.add_argument("role", choices=["topics"])
+    c.add_argument("role", choices=["topics", "learner"])
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")

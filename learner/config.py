@@ -1,0 +1,94 @@
+"""The learner's typed config (``grpo-stream learner --config FILE [key=value ...]``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from grpo_stream.config import KafkaConfig, MetricsConfig, TopicsConfig, opt, require
+from grpo_stream.weight_store import WeightStoreConfig
+from learner.advantages import AdvantageConfig
+from learner.loss import LossConfig
+
+
+@dataclass
+class ModelConfig:
+    """The policy: any HF causal LM by hub id or local path (loaded with AutoModelForCausalLM)."""
+
+    path: str = opt(help="HF model id or local directory (config.json + *.safetensors).")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Training dtype (float32 on CPU).")
+    device: str = opt("cpu", "cpu, cuda or cuda:N.")
+    gradient_checkpointing: bool = opt(False, "Trade compute for activation memory on long sequences.")
+    trust_remote_code: bool = opt(False, "Passed to from_pretrained.")
+
+    def validate(self) -> None:
+        require(bool(self.path), "model.path: required (a HF id like Qwen/Qwen2.5-0.5B-Instruct or a directory)")
+        require(self.device == "cpu" or self.device.startswith("cuda"), f"model.device: {self.device!r}: cpu|cuda[:N]")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and gradient-norm clipping."""
+
+    lr: float = opt(1e-6, "Learning rate (paper: 5e-6 GSM8K, 1e-6 DeepScaleR).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    beta1: float = opt(0.9, "AdamW beta1.")
+    beta2: float = opt(0.999, "AdamW beta2.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (<= 0: no clipping).")
+    warmup_steps: int = opt(0, "Linear learning-rate warm-up over this many optimizer steps.")
+
+    def validate(self) -> None:
+        require(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2: must be in [0, 1)")
+        require(self.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
+
+
+@dataclass
+class LearnerConfig:
+    """One learner process: consume scored groups, train, publish weights, checkpoint."""
+
+    run: str = opt("grpo", "Run name: key of the weight announcements and default output directory.")
+    out_dir: str = opt("", "Where checkpoints/ and lineage.jsonl go. Empty: runs/<run>.")
+    kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
+    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan).")
+    metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
+    model: ModelConfig = opt(factory=lambda: ModelConfig(path=""), help="The policy model.")
+    loss: LossConfig = opt(factory=LossConfig, help="The surrogate objective (learner/loss.py).")
+    advantages: AdvantageConfig = opt(factory=AdvantageConfig, help="Rewards -> advantages (eq. 2, 8).")
+    optim: OptimConfig = opt(factory=OptimConfig, help="Optimizer.")
+    weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where published weights go.")
+    consumer_group: str = opt("learner", "Consumer group on the groups topic (its lag = the backlog).")
+    start_from: Literal["earliest", "latest"] = opt(
+        "earliest", "Where a run without a checkpoint starts reading the groups topic.")
+    group_size: int = opt(16, "Expected G; groups of another size go to the dlq.")
+    accept_partial: bool = opt(True, "Train groups a verifier published as partial (fewer than G members).")
+    groups_per_batch: int = opt(8, "B: scored groups per learner step.")
+    grad_steps_per_batch: int = opt(1, "i (paper): optimizer steps taken on each batch.")
+    publish_every: int = opt(1, "v (paper): publish weights every v learner steps.")
+    max_staleness: int = opt(4, "Drop groups generated more than this many learner steps ago (-1: never).")
+    micro_batch_tokens: int = opt(16384, "Token budget (rows x padded length) of one forward/backward.")
+    max_seq_len: int = opt(0, "Longest prompt+completion accepted (0: the model's max_position_embeddings).")
+    max_steps: int = opt(0, "Stop after this many learner steps (0: run until stopped).")
+    stage_steps: int = opt(0, "Reset pi_ref to the current policy every N steps (Alg. 1 stages; 0: fixed ref).")
+    checkpoint_every: int = opt(10, "Checkpoint every N steps (and always before publishing, see below).")
+    checkpoint_on_publish: bool = opt(
+        True, "Checkpoint before each publish, so every announced version can be restored after a crash.")
+    keep_checkpoints: int = opt(2, "Checkpoints kept on disk.")
+    publish_initial: bool = opt(True, "Publish the starting weights as version 0 when a run begins.")
+    dedup_window: int = opt(1_000_000, "How many trained group ids are remembered to ignore duplicates.")
+    poll_timeout_ms: int = opt(500, "Kafka poll timeout.")
+    idle_timeout_s: float = opt(0.0, "Exit if no group arrives for this long (0: wait forever).")
+    seed: int = opt(0, "Seed for torch/numpy/python RNGs.")
+
+    def validate(self) -> None:
+        require(self.group_size >= 1, "group_size: must be >= 1")
+        require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
+        require(self.grad_steps_per_batch >= 1, "grad_steps_per_batch: must be >= 1 (the paper's i)")
+        require(self.publish_every >= 1, "publish_every: must be >= 1 (the paper's v)")
+        require(self.micro_batch_tokens >= 64, "micro_batch_tokens: must be >= 64")
+        require(self.checkpoint_every >= 1, "checkpoint_every: must be >= 1")
+        require(self.max_steps >= 0 and self.stage_steps >= 0, "max_steps/stage_steps: must be >= 0")
+        require(self.dedup_window >= 1000, "dedup_window: must be >= 1000")
+        if self.loss.agg == "seq_mean_token_sum_norm":
+            require(self.loss.max_len_norm >= 1, "loss.max_len_norm: set it to the producers' max_tokens")

@@ -1,0 +1,78 @@
+"""The learner's metrics: declared here once, fed from one place per step (the math never touches them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from grpo_stream.metrics import dead_letter_counter
+
+# Gauges that mirror a StepStats metric of the same name (loss, kl, clip fractions, ratios, rewards, ...).
+STEP_GAUGES = ("loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "entropy",
+               "reward_mean", "reward_std", "grad_norm", "lr")
+PHASES = ("wait", "collate", "forward_old", "forward", "backward", "optimizer", "publish", "checkpoint")
+
+
+class LearnerMetrics:
+    def __init__(self, jsonl_path: Path | None = None) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "grpo_stream_learner_"
+        self.steps = Counter(p + "steps_total", "Learner steps completed", registry=r)
+        self.version = Gauge(p + "policy_version", "Latest published policy version", registry=r)
+        self.step = Gauge(p + "step", "Current learner step", registry=r)
+        self.gauges = {k: Gauge(p + k, f"Last step's {k}", registry=r) for k in STEP_GAUGES}
+        self.staleness = Histogram(p + "staleness_steps", "Staleness of trained groups (learner steps)",
+                                   buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.trained = Counter(p + "groups_trained_total", "Groups trained", registry=r)
+        self.dropped = Counter(p + "groups_dropped_total", "Groups not trained, by reason", ["reason"], registry=r)
+        self.tokens = Counter(p + "tokens_total", "Completion tokens trained", registry=r)
+        self.tokens_per_s = Gauge(p + "tokens_per_second", "Completion tokens per second of step time", registry=r)
+        self.phase = Histogram(p + "step_phase_seconds", "Step time by phase", ["phase"], registry=r,
+                               buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.skipped = Counter(p + "skipped_updates_total", "Updates skipped: non-finite loss/grad", registry=r)
+        self.lag = Gauge(p + "consumer_lag_groups", "Groups in the topic not yet consumed", registry=r)
+        self.published = Counter(p + "weights_published_total", "Weight versions published", registry=r)
+        self.published_bytes = Counter(p + "weights_published_bytes_total", "Bytes of weights published",
+                                       registry=r)
+        self.dead = dead_letter_counter(r, "learner")
+        self._jsonl = jsonl_path.open("a", encoding="utf-8") if jsonl_path else None
+
+    def observe_step(self, step: int, metrics: dict[str, float], timings: dict[str, float],
+                     staleness: list[int], dropped: list[str], tokens: int, skipped: int, lag: int) -> None:
+        self.steps.inc()
+        self.step.set(step)
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key])
+        for s in staleness:
+            self.staleness.observe(s)
+        self.trained.inc(len(staleness))
+        for reason in dropped:
+            self.dropped.labels(reason=reason.split(":", 1)[0]).inc()
+        self.tokens.inc(tokens)
+        total = sum(timings.values())
+        if total > 0:
+            self.tokens_per_s.set(tokens / total)
+        for phase, seconds in timings.items():
+            self.phase.labels(phase=phase).observe(seconds)
+        self.skipped.inc(skipped)
+        self.lag.set(lag)
+        self._write_jsonl({"step": step, **metrics, "timings": timings, "staleness": staleness,
+                           "dropped": dropped, "tokens": tokens, "skipped_updates": skipped, "lag": lag})
+
+    def observe_publish(self, version: int, size_bytes: int) -> None:
+        self.version.set(version)
+        self.published.inc()
+        self.published_bytes.inc(size_bytes)
+
+    def _write_jsonl(self, line: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(line, default=float) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -1,0 +1,197 @@
+"""The learner process: read scored groups, train, checkpoint, publish weights (``grpo-stream learner``).
+
+Order of effects at a publishing step ``s`` (the reason every announced version can be restored):
+checkpoint(s) -> write weights(s) to the store -> announce(s). A crash between the first and the last is
+repaired at start-up, which re-publishes the checkpoint's weights when the announcement is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from grpo_stream.config import load_config, to_dict
+from grpo_stream.kafka_io import DeadLetters, make_consumer, make_producer
+from grpo_stream.metrics import MetricsServer
+from grpo_stream.weight_store import WeightPublisher, latest_announcement
+from learner import checkpoint
+from learner.config import LearnerConfig, ModelConfig
+from learner.lineage import Lineage
+from learner.metrics import LearnerMetrics
+from learner.source import GroupSource, Pick, SourceRules, lineage_entries
+from learner.staleness import staleness
+from learner.trainer import DTYPES, StepStats, Trainer
+
+log = logging.getLogger("learner")
+
+
+def load_model(cfg: ModelConfig, path: str | Path | None = None) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(str(path or cfg.path), dtype=DTYPES[cfg.dtype],
+                                                 trust_remote_code=cfg.trust_remote_code)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.to(cfg.device)
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir or f"runs/{cfg.run}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.ckpt = checkpoint.load_latest(self.out / "checkpoints")
+        model = load_model(cfg.model, self.ckpt.model_dir if self.ckpt else None)
+        self.trainer = Trainer(cfg, model)
+        self.step = 0
+        self.metrics = LearnerMetrics(self.out / "metrics.jsonl")
+        self.producer = make_producer(cfg.kafka, "learner")
+        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "learner",
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+        max_len = cfg.max_seq_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        rules = SourceRules(cfg.group_size, cfg.accept_partial, cfg.max_staleness, max_len,
+                            cfg.advantages.zero_variance == "drop")
+        consumer = make_consumer(cfg.kafka, "learner", cfg.consumer_group)
+        self.source = GroupSource(consumer, cfg.topics.groups.name, self.dead, rules, cfg.dedup_window)
+        # Its own uncompressed producer: weight chunks do not compress, lz4 would only burn CPU.
+        self.publisher = WeightPublisher(cfg.weights, cfg.kafka, cfg.topics, cfg.run)
+        self.lineage = Lineage(self.out / "lineage.jsonl")
+        self.stopping = False
+        self.last_group_at = time.monotonic()
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume from the newest checkpoint (model, optimizer, RNG, offsets, dedup set) or start fresh."""
+        offsets = None
+        if self.ckpt is not None:
+            state = self.ckpt.trainer_state()
+            self.trainer.load_state(state["trainer"])
+            checkpoint.set_rng_state(state["rng"])
+            self.step = self.ckpt.step
+            self.source.restore_seen(state["seen"])
+            offsets = {int(p): int(o) for p, o in self.ckpt.meta["offsets"].items()}
+            log.info("resumed from %s (step %d, offsets %s)", self.ckpt.path, self.step, offsets)
+        # Lineage lines past the checkpoint describe updates that died with the previous process.
+        dropped = self.lineage.truncate_after(self.step)
+        if dropped:
+            log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
+        self.source.start(offsets, self.cfg.start_from)
+        latest = latest_announcement(self.cfg.kafka, self.cfg.topics.weights.name, self.cfg.run)
+        last_publish_step = self.step - self.step % self.cfg.publish_every
+        if self.cfg.publish_initial and (latest is None or latest.version < last_publish_step):
+            self.publish()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg = self.cfg
+        while not self._done():
+            pick = self.source.next_batch(self.step, cfg.groups_per_batch, self._should_stop, cfg.poll_timeout_ms)
+            if pick is None:
+                break
+            self.last_group_at = time.monotonic()
+            stats = self.trainer.train_step([i.group for i in pick.trained])
+            stats.timings["wait"] = pick.wait_s
+            self._after_step(pick, stats)
+        if self.ckpt is None or self.ckpt.step != self.step:
+            self.save_checkpoint()
+        return self.step
+
+    def _after_step(self, pick: Pick, stats: StepStats) -> None:
+        trained_at = self.step
+        self.step += 1
+        trained, dropped = lineage_entries(pick, trained_at)
+        self.lineage.record(self.step, trained, dropped, skipped_updates=stats.skipped_updates)
+        self.source.commit()
+        cfg = self.cfg
+        if cfg.stage_steps and self.step % cfg.stage_steps == 0:
+            self.trainer.reset_reference()
+        publish = self.step % cfg.publish_every == 0
+        if (publish and cfg.checkpoint_on_publish) or self.step % cfg.checkpoint_every == 0:
+            stats.timings["checkpoint"] = self.save_checkpoint()
+        if publish:
+            stats.timings["publish"] = self.publish()
+        self.metrics.observe_step(
+            self.step, stats.metrics, stats.timings,
+            staleness=[staleness(trained_at, i.group.policy_version) for i in pick.trained],
+            dropped=[i.reason for i in pick.dropped], tokens=stats.tokens, skipped=stats.skipped_updates,
+            lag=self._lag())
+        log.info("step %d: reward %.3f loss %.4f kl %.4f groups %d dropped %d wait %.2fs", self.step,
+                 stats.metrics.get("reward_mean", 0.0), stats.metrics.get("loss", 0.0),
+                 stats.metrics.get("kl", 0.0), len(pick.trained), len(pick.dropped), pick.wait_s)
+
+    def _done(self) -> bool:
+        return self.stopping or (self.cfg.max_steps > 0 and self.step >= self.cfg.max_steps)
+
+    def _should_stop(self) -> bool:
+        idle = self.cfg.idle_timeout_s > 0 and time.monotonic() - self.last_group_at > self.cfg.idle_timeout_s
+        return self.stopping or idle
+
+    def _lag(self) -> int:
+        consumer = self.source.consumer
+        ends = consumer.end_offsets(list(consumer.assignment()))
+        return sum(max(0, end - self.source.position.get(tp.partition, end)) for tp, end in ends.items())
+
+    # ---- durable effects ---------------------------------------------------------------------------
+    def save_checkpoint(self) -> float:
+        t0 = time.perf_counter()
+        self.lineage.sync()
+        state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
+        meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.run,
+                "topic": self.cfg.topics.groups.name, "saved_at": time.time()}
+        path = checkpoint.save(self.out / "checkpoints", self.step, {"model": self.trainer.model}, state, meta,
+                               keep=self.cfg.keep_checkpoints)
+        self.ckpt = checkpoint.Checkpoint(path, {**meta, "step": self.step})
+        return time.perf_counter() - t0
+
+    def publish(self) -> float:
+        """Write the current weights to the store and announce them as version = the current step."""
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="grpo-weights-") as tmp:
+            self.trainer.model.save_pretrained(tmp, safe_serialization=True, max_shard_size="1000GB")
+            files = {name: Path(tmp) / name for name in ("model.safetensors", "config.json")}
+            ann = self.publisher.publish(self.step, files)
+        self.publisher.announce(ann)
+        self.metrics.observe_publish(self.step, ann.size_bytes)
+        log.info("published weights v%d (%d bytes, sha256 %s)", self.step, ann.size_bytes, ann.sha256[:12])
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.source.consumer.close()
+        self.publisher.close()
+        self.producer.close()
+        self.lineage.close()
+        self.metrics.close()
+
+
+def main(config: str | None, overrides: list[str]) -> int:
+    cfg = load_config(LearnerConfig, config, overrides)
+    learner = Learner(cfg)
+    (learner.out / "learner-config.yaml").write_text(_yaml(to_dict(cfg)))
+    server = MetricsServer(learner.metrics.registry, cfg.metrics,
+                           health=lambda: (not learner.stopping, {"step": learner.step})).start()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: finishing the current step, then checkpointing", signum)
+        learner.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        learner.restore()
+        steps = learner.run()
+        log.info("learner stopped at step %d", steps)
+    finally:
+        learner.close()
+        server.stop()
+    return 0
+
+
+def _yaml(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,191 @@
+"""Where the learner's groups come from: the ``groups`` topic, read in order, with its exactly-once bookkeeping.
+
+Exactly-once, the rule: records of a partition are read in offset order and queued in arrival order; a batch
+takes a prefix of that queue (the groups it trains plus every record dropped or dead-lettered before them). So
+per partition the records a batch *accounts for* are a prefix too, and "the next offset to read" after the batch
+is one number per partition. The learner stores those numbers in the checkpoint with the model that contains
+the batch; after a crash it seeks there, so a group is in the model exactly once: never skipped (everything
+after the checkpoint is re-read) and never twice (everything before it is not). Consumer-group commits exist
+only so Kafka lag tools (and the producers' backpressure) see the learner's progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kafka import KafkaConsumer, TopicPartition
+
+from grpo_stream import wire
+from grpo_stream.kafka_io import DeadLetters, commit_processed, with_retry
+from learner.advantages import is_zero_variance
+from learner.staleness import staleness, too_stale
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Item:
+    """One record of the groups topic, in arrival order; ``group`` is None once it was dead-lettered."""
+
+    partition: int
+    offset: int
+    group: wire.ScoredGroup | None
+    reason: str = ""
+    group_id: str = ""  # kept for the lineage when a decodable but invalid group was dead-lettered
+
+
+@dataclass
+class Pick:
+    """What one learner step consumes: groups to train, groups dropped on the way, the resulting position."""
+
+    trained: list[Item] = field(default_factory=list)
+    dropped: list[Item] = field(default_factory=list)
+    next_offsets: dict[int, int] = field(default_factory=dict)
+    wait_s: float = 0.0
+
+
+@dataclass
+class SourceRules:
+    """The admission rules applied to each group (from the learner config)."""
+
+    group_size: int
+    accept_partial: bool
+    max_staleness: int
+    max_seq_len: int
+    drop_zero_variance: bool
+
+
+class GroupSource:
+    def __init__(self, consumer: KafkaConsumer, topic: str, dead: DeadLetters, rules: SourceRules,
+                 dedup_window: int) -> None:
+        self.consumer, self.topic, self.dead, self.rules = consumer, topic, dead, rules
+        self.queue: deque[Item] = deque()
+        self.position: dict[int, int] = {}  # next offset per partition, of what batches accounted for
+        self.seen: OrderedDict[str, None] = OrderedDict()  # trained group ids (duplicates are ignored)
+        self.dedup_window = dedup_window
+
+    # ---- start-up ----------------------------------------------------------------------------------
+    def start(self, offsets: dict[int, int] | None, start_from: str) -> None:
+        """Assign every partition and seek to the checkpoint's offsets (or the start policy without one)."""
+        def partitions() -> set[int]:
+            found = self.consumer.partitions_for_topic(self.topic)
+            if not found:
+                raise TimeoutError(f"topic {self.topic} has no partitions (create it: grpo-stream topics create)")
+            return found
+
+        parts = sorted(with_retry(partitions, f"learner: metadata of {self.topic}"))
+        tps = [TopicPartition(self.topic, p) for p in parts]
+        self.consumer.assign(tps)
+        for tp in tps:
+            if offsets is not None and tp.partition in offsets:
+                self.consumer.seek(tp, offsets[tp.partition])
+            elif start_from == "latest":
+                self.consumer.seek_to_end(tp)
+            else:
+                self.consumer.seek_to_beginning(tp)
+        for tp in tps:
+            self.position[tp.partition] = self.consumer.position(tp)
+        log.info("learner reads %s from %s", self.topic, self.position)
+
+    def restore_seen(self, ids: list[str]) -> None:
+        self.seen = OrderedDict.fromkeys(ids[-self.dedup_window:])
+
+    # ---- batches -----------------------------------------------------------------------------------
+    def next_batch(self, step: int, size: int, should_stop: Callable[[], bool], poll_ms: int) -> Pick | None:
+        """Block until ``size`` admissible groups are queued, then take them (and the drops before them).
+
+        Returns None when ``should_stop()`` turns true first (nothing is taken then)."""
+        t0 = time.monotonic()
+        while self._admissible(step) < size:
+            if should_stop():
+                return None
+            self._poll(poll_ms, max_records=max(size * 2, 16))
+        pick = self._take(step, size)
+        pick.wait_s = time.monotonic() - t0
+        return pick
+
+    def commit(self) -> None:
+        """Publish progress to the consumer group (visibility only; the checkpoint is the source of truth)."""
+        commit_processed(self.consumer, {TopicPartition(self.topic, p): o for p, o in self.position.items()})
+
+    def _poll(self, poll_ms: int, max_records: int) -> None:
+        for tp, msgs in self.consumer.poll(timeout_ms=poll_ms, max_records=max_records).items():
+            for msg in msgs:
+                group = self.dead.decode(msg, wire.ScoredGroup)
+                item = Item(tp.partition, msg.offset, group, "" if group else "invalid")
+                if group is not None and (reason := self._invalid(group)):
+                    self.dead.send(msg, f"{reason}: group {group.group_id}")
+                    item.group, item.reason, item.group_id = None, reason, group.group_id
+                self.queue.append(item)
+
+    def _invalid(self, g: wire.ScoredGroup) -> str:
+        """Why a decodable group still cannot be trained (it then goes to the dlq), or ''."""
+        r = self.rules
+        if g.group_size != r.group_size:
+            return f"wrong_group_size: {g.group_size} != {r.group_size}"
+        if g.partial and not r.accept_partial:
+            return "partial_group"
+        longest = max((len(c.prompt_token_ids) + len(c.completion_token_ids) for c in g.completions), default=0)
+        if r.max_seq_len and longest > r.max_seq_len:
+            return f"too_long: {longest} tokens > max_seq_len {r.max_seq_len}"
+        return ""
+
+    def _drop_reason(self, item: Item, step: int) -> str:
+        """Why a valid group is skipped at ``step``, or '' if it is trained."""
+        g = item.group
+        if g is None:
+            return item.reason
+        if g.group_id in self.seen:
+            return "duplicate"
+        if too_stale(step, g.policy_version, self.rules.max_staleness):
+            return "stale"
+        if self.rules.drop_zero_variance and is_zero_variance(g.rewards):
+            return "zero_variance"
+        return ""
+
+    def _admissible(self, step: int) -> int:
+        seen_now: set[str] = set()
+        n = 0
+        for item in self.queue:
+            if not self._drop_reason(item, step) and item.group.group_id not in seen_now:
+                seen_now.add(item.group.group_id)
+                n += 1
+        return n
+
+    def _take(self, step: int, size: int) -> Pick:
+        pick = Pick()
+        while len(pick.trained) < size:
+            item = self.queue.popleft()
+            item.reason = self._drop_reason(item, step)
+            if item.reason:
+                pick.dropped.append(item)
+            else:
+                self._remember(item.group.group_id)
+                pick.trained.append(item)
+            self.position[item.partition] = item.offset + 1
+        pick.next_offsets = dict(self.position)
+        return pick
+
+    def _remember(self, group_id: str) -> None:
+        self.seen[group_id] = None
+        while len(self.seen) > self.dedup_window:
+            self.seen.popitem(last=False)
+
+
+def lineage_entries(pick: Pick, step: int) -> tuple[list[dict], list[dict]]:
+    """The lineage view of a pick (``step`` = the learner step the batch was trained at)."""
+    def entry(item: Item) -> dict:
+        g = item.group
+        base = {"partition": item.partition, "offset": item.offset}
+        if g is None:
+            return base | ({"group_id": item.group_id} if item.group_id else {})
+        return base | {"group_id": g.group_id, "version": g.policy_version,
+                       "staleness": staleness(step, g.policy_version)}
+
+    trained = [entry(i) for i in pick.trained]
+    dropped = [entry(i) | {"reason": i.reason} for i in pick.dropped]
+    return trained, dropped

@@ -62,6 +62,10 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "learner":
+        from grpo_stream.bench import learner
+
+        return learner.main(bootstrap=args.bootstrap, steps=args.steps)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -103,10 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire"])
+    b.add_argument("what", choices=["wire", "learner"])
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
-    b.add_argument("--records", type=int, default=2000, help="ScoredGroups for the produce->consume test")
+    b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")
+    b.add_argument("--steps", type=int, default=5, help="learner: timed steps per model")
     b.set_defaults(fn=_bench)
 
     d = sub.add_parser("demo", help="end-to-end demo on a tiny model (not yet)")

@@ -18,10 +18,11 @@ from grpo_stream.config import (
     opt,
     require,
 )
+from learner.config import LearnerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every config file the project ships, with the typed config it must parse as. A new file must be added here.
-SHIPPED = {"topics.yaml": TopicsFileConfig}
+SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig}
 
 
 @dataclass

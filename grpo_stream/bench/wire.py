@@ -6,15 +6,14 @@ The record is a realistic rollout: a ScoredGroup of G=16 sibling Completions, ea
 
 from __future__ import annotations
 
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from grpo_stream import wire
+from grpo_stream.bench import temporary_broker
 from grpo_stream.config import KafkaConfig
 
 TARGET_DECODE_MB_S = 200.0
@@ -113,31 +112,9 @@ def main(seconds: float = 3.0, bootstrap: str | None = None, kafka_records: int 
     print(f"  decode+validate ScoredGroup / target: {decode_group:.0f} / {TARGET_DECODE_MB_S:.0f} MB/s "
           f"= {decode_group / TARGET_DECODE_MB_S:.2f}x -> {'OK' if decode_group >= TARGET_DECODE_MB_S else 'BELOW'}")
     if kafka_records > 0:
-        with _broker(bootstrap) as addr:
+        with temporary_broker(bootstrap) as addr:
             p_mb, p_rec, c_mb, c_rec = kafka_figures(addr, kafka_records)
         print(f"loopback Kafka ({kafka_records} ScoredGroups, lz4, acks=all, idempotent) at {addr}:")
         print(f"  produce             {p_mb:9.1f} MB/s {p_rec:11.0f} records/s")
         print(f"  consume+decode      {c_mb:9.1f} MB/s {c_rec:11.0f} records/s")
     return 0
-
-
-class _broker:
-    """An external bootstrap as given, or a throwaway local broker for the duration of the benchmark."""
-
-    def __init__(self, bootstrap: str | None) -> None:
-        self.bootstrap, self.broker, self.tmp = bootstrap, None, None
-
-    def __enter__(self) -> str:
-        if self.bootstrap:
-            return self.bootstrap
-        from grpo_stream.broker import LocalBroker, free_port
-
-        self.tmp = tempfile.TemporaryDirectory(prefix="grpo-bench-kafka-")
-        self.broker = LocalBroker(data_dir=Path(self.tmp.name), port=free_port(), controller_port=free_port())
-        return self.broker.up(fresh=True)["bootstrap"]
-
-    def __exit__(self, *exc: object) -> None:
-        if self.broker is not None:
-            self.broker.down()
-        if self.tmp is not None:
-            self.tmp.cleanup()

@@ -19,10 +19,11 @@ from grpo_stream.config import (
     require,
 )
 from learner.config import LearnerConfig
+from producers.feeder import FeederConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every config file the project ships, with the typed config it must parse as. A new file must be added here.
-SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig}
+SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig}
 
 
 @dataclass

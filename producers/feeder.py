@@ -1,0 +1,392 @@
+"""The feeder: publishes a dataset's prompts as PromptTasks to the prompts topic (``grpo-stream feed``).
+
+One PromptTask per (prompt, epoch, sample round) -- one GRPO group each, group id
+``make_group_id(prompt_id, epoch, round)`` -- keyed by prompt id. Within an epoch the order is round by round
+(every prompt once, then again for round 1, ...), each round a permutation seeded by (seed, epoch, round), so a
+run is reproducible and no prompt's samples bunch up.
+
+Resuming: the cursor (epoch, position in that epoch's schedule) is written atomically to ``state_path`` every
+``flush_every`` records, and only after the broker acknowledged every record before it (flush, then each
+future's result). A restart therefore never re-publishes an acknowledged record that a saved state covers. What
+it may re-publish: the records sent after the last saved state when the process died (at most ``flush_every``
+of them); they carry the same group ids, which the producers and the learner deduplicate. A clean stop
+(epochs done, ``max_records``, SIGTERM/SIGINT) saves the exact cursor, so nothing is repeated.
+
+The state also stores a fingerprint of the schedule (item ids, seed, shuffle, sample rounds): resuming a
+position in a different schedule would silently skip or repeat prompts, so a mismatch is refused with advice.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kafka.errors import KafkaError
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from grpo_stream import wire
+from grpo_stream.config import (
+    ConfigError,
+    KafkaConfig,
+    MetricsConfig,
+    TopicsConfig,
+    load_config,
+    opt,
+    require,
+)
+from grpo_stream.kafka_io import consumer_lag, make_admin, make_producer, partitions_of, with_retry
+from grpo_stream.metrics import MetricsServer
+from producers.datasets import (
+    LOADERS,
+    DatasetItem,
+    HfConfig,
+    JsonlConfig,
+    Source,
+    SyntheticConfig,
+)
+
+log = logging.getLogger("feeder")
+STATE_VERSION = 1
+_BAD_LOG_LIMIT = 10  # log this many bad items per reason verbatim; the rest are only counted
+
+
+@dataclass
+class FeederConfig:
+    """One feeder process: a dataset, its epochs and order, where progress is saved."""
+
+    name: str = opt("feeder", "Dataset/run name: prefix of content-hash prompt ids and of the state file name.")
+    out_dir: str = opt("", "Directory of the default state file. Empty: .cache.")
+    kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
+    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan); publishes to topics.prompts.")
+    metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
+    source: Source = opt("jsonl", "Which dataset section below is read: jsonl, hf or synthetic.")
+    jsonl: JsonlConfig = opt(factory=JsonlConfig, help="source: jsonl settings.")
+    hf: HfConfig = opt(factory=HfConfig, help="source: hf settings (local data only; needs `datasets`).")
+    synthetic: SyntheticConfig = opt(factory=SyntheticConfig, help="source: synthetic settings (the demo tasks).")
+    epochs: int = opt(1, "Passes over the dataset; 0: forever (then set max_ahead or rate_limit_per_s).")
+    seed: int = opt(0, "Shuffle seed; each (epoch, round) gets its own permutation derived from it.")
+    shuffle: bool = opt(True, "Shuffle each epoch; false: dataset order.")
+    sample_rounds: int = opt(1, "Groups per prompt per epoch (each round is its own group id).")
+    rate_limit_per_s: float = opt(0.0, "At most this many records per second, evenly spaced; 0: unlimited.")
+    max_ahead: int = opt(
+        0, "Pause while the producers' consumer group has this many unconsumed prompts (its lag); 0: no pause.")
+    consumer_group: str = opt("producers", "The producers' consumer group on the prompts topic (for max_ahead).")
+    lag_poll_s: float = opt(1.0, "How often to re-check the lag while paused by max_ahead.")
+    max_prompt_chars: int = opt(65536, "Skip (and count) prompts longer than this; 0: no cap. Token caps are "
+                                       "the producer's job.")
+    state_path: str = opt("", "Progress file. Empty: <out_dir or .cache>/feeder-<name>.json.")
+    resume: bool = opt(True, "Continue from state_path; false: start at epoch 0 and overwrite it.")
+    flush_every: int = opt(100, "Wait for the broker's acks and save the state every N records.")
+    max_records: int = opt(0, "Stop (cleanly, state saved) after publishing this many records in this run; 0: no cap.")
+
+    def validate(self) -> None:
+        require(bool(self.name) and "/" not in self.name, "name: must be non-empty, without '/'")
+        require(self.epochs >= 0, "epochs: must be >= 0 (0: forever)")
+        require(self.sample_rounds >= 1, "sample_rounds: must be >= 1")
+        require(self.rate_limit_per_s >= 0, "rate_limit_per_s: must be >= 0 (0: unlimited)")
+        require(self.max_ahead >= 0 and self.max_prompt_chars >= 0 and self.max_records >= 0,
+                "max_ahead/max_prompt_chars/max_records: must be >= 0")
+        require(self.flush_every >= 1, "flush_every: must be >= 1")
+        require(self.lag_poll_s > 0, "lag_poll_s: must be > 0")
+        require(self.epochs > 0 or self.max_ahead > 0 or self.rate_limit_per_s > 0,
+                "epochs: 0 (forever) needs max_ahead or rate_limit_per_s, or the topic fills as fast as the broker "
+                "accepts records")
+        if self.source == "jsonl":
+            require(bool(self.jsonl.paths), "jsonl.paths: list the JSONL files to read (source: jsonl)")
+        if self.source == "hf":
+            require(bool(self.hf.path), "hf.path: a local dataset path (source: hf)")
+
+    def resolved_state_path(self) -> Path:
+        return Path(self.state_path or Path(self.out_dir or ".cache") / f"feeder-{self.name}.json")
+
+
+# ------------------------------------------------------------------------------------------ metrics, bad items
+
+
+class FeederMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "grpo_stream_feeder_"
+        self.published = Counter(p + "prompts_published_total", "PromptTasks acknowledged by the broker",
+                                 registry=r)
+        self.bad = Counter(p + "bad_items_total", "Dataset items skipped, by reason", ["reason"], registry=r)
+        self.epoch = Gauge(p + "epoch", "Epoch being published", registry=r)
+        self.position = Gauge(p + "position", "Next position in the epoch's schedule", registry=r)
+        self.items = Gauge(p + "dataset_items", "Valid items in the dataset", registry=r)
+        self.ahead = Gauge(p + "prompts_ahead", "Unconsumed prompts of the producers' group (max_ahead)", registry=r)
+
+
+class BadItems:
+    """Counts skipped items by reason (metric + summary) and logs the first few of each with their location."""
+
+    def __init__(self, metrics: FeederMetrics) -> None:
+        self.metrics = metrics
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, reason: str, where: str) -> None:
+        self.counts[reason] += 1
+        self.metrics.bad.labels(reason=reason).inc()
+        if self.counts[reason] <= _BAD_LOG_LIMIT:
+            log.warning("skipped %s (%s)%s", where, reason,
+                        "; further ones are only counted" if self.counts[reason] == _BAD_LOG_LIMIT else "")
+
+
+def load_items(cfg: FeederConfig, on_bad: BadItems) -> list[DatasetItem]:
+    """The source's items after the feeder's own checks (length cap, unique ids, encodable), in source order."""
+    items: list[DatasetItem] = []
+    seen: set[str] = set()
+    for item in LOADERS[cfg.source](getattr(cfg, cfg.source), cfg.name, on_bad):
+        if cfg.max_prompt_chars and len(item.prompt) > cfg.max_prompt_chars:
+            on_bad("too_long", f"{item.prompt_id}: {len(item.prompt)} chars > max_prompt_chars")
+        elif item.prompt_id in seen:
+            # Same id twice = the same group ids twice: downstream would drop one anyway.
+            on_bad("duplicate_id", f"{item.prompt_id}: id already seen")
+        else:
+            try:
+                wire.encode(wire.PromptTask(item.prompt_id, item.prompt, item.task, metadata=item.metadata))
+            except wire.WireError as exc:
+                on_bad("unencodable", f"{item.prompt_id}: {exc}")
+                continue
+            seen.add(item.prompt_id)
+            items.append(item)
+    return items
+
+
+# ------------------------------------------------------------------------------------------ schedule, state
+
+
+def schedule_fingerprint(items: list[DatasetItem], cfg: FeederConfig) -> str:
+    """What a saved position is relative to: the item ids in source order and the ordering settings."""
+    h = hashlib.sha256(f"{cfg.seed}|{cfg.shuffle}|{cfg.sample_rounds}|".encode())
+    for item in items:
+        h.update(item.prompt_id.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def round_order(n: int, seed: int, epoch: int, sample_round: int, shuffle: bool) -> list[int]:
+    """Item indices for one (epoch, round): a permutation seeded by all three (stable across processes)."""
+    order = list(range(n))
+    if shuffle:
+        digest = hashlib.sha256(f"{seed}:{epoch}:{sample_round}".encode()).digest()
+        random.Random(int.from_bytes(digest[:8], "big")).shuffle(order)
+    return order
+
+
+@dataclass
+class FeederState:
+    """The saved cursor: the next record to publish is (epoch, position) of the schedule."""
+
+    fingerprint: str
+    epoch: int = 0
+    position: int = 0
+    published_total: int = 0
+    version: int = STATE_VERSION
+    updated_at: float = 0.0
+
+
+def load_state(path: Path, fingerprint: str, resume: bool) -> FeederState:
+    """The saved cursor, a fresh one, or a ConfigError when the file belongs to another schedule."""
+    if not resume or not path.exists():
+        return FeederState(fingerprint)
+    try:
+        state = FeederState(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"state_path: {path} is unreadable ({exc}); delete it or set resume=false") from None
+    if state.fingerprint != fingerprint:
+        raise ConfigError(f"state_path: {path} was written for another dataset or seed/shuffle/sample_rounds; "
+                          "restore those, set resume=false to start over at epoch 0, or use another state_path")
+    return state
+
+
+def save_state(path: Path, state: FeederState) -> None:
+    """Atomic replace (temp file, fsync, rename): a crash leaves the old state or the new, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state.updated_at = time.time()
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(asdict(state), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ------------------------------------------------------------------------------------------ the feeder
+
+
+class Feeder:
+    """Publishes the schedule from the saved cursor on; see the module docstring for the resume contract."""
+
+    def __init__(self, cfg: FeederConfig) -> None:
+        self.cfg = cfg
+        self.metrics = FeederMetrics()
+        self.bad = BadItems(self.metrics)
+        self.items = load_items(cfg, self.bad)
+        require(bool(self.items), f"source {cfg.source}: no valid items (skipped: {dict(self.bad.counts)})")
+        self.metrics.items.set(len(self.items))
+        self.state_path = cfg.resolved_state_path()
+        self.state = load_state(self.state_path, schedule_fingerprint(self.items, cfg), cfg.resume)
+        self.epoch, self.position = self.state.epoch, self.state.position
+        self.per_epoch = len(self.items) * cfg.sample_rounds
+        self.topic = cfg.topics.prompts.name
+        self.producer = make_producer(cfg.kafka, "feeder")
+        self.admin = make_admin(cfg.kafka, "feeder-admin")
+        try:
+            partitions_of(self.admin, self.topic)
+        except KafkaError as exc:
+            self.close()
+            raise ConfigError(f"topics.prompts.name: topic {self.topic!r} is not available ({exc}); "
+                              "create the plan with `grpo-stream topics create`") from None
+        self.pending: list[Any] = []
+        self.sent = 0
+        self.stopping = False
+        self._next_send_at = 0.0
+        self._order_key: tuple[int, int] | None = None
+        self._order: list[int] = []
+
+    def stop(self) -> None:
+        """Ask run() to save the state and return (safe from a signal handler: only sets a flag)."""
+        self.stopping = True
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        return not self.stopping, {"epoch": self.epoch, "position": self.position, "sent": self.sent}
+
+    def run(self) -> int:
+        """Publish until the epochs are done, ``max_records`` were sent or stop(); returns records sent."""
+        self._roll_epoch()
+        log.info("feeding %d items x %d rounds per epoch to %s from epoch %d position %d (epochs: %s)",
+                 len(self.items), self.cfg.sample_rounds, self.topic, self.epoch, self.position,
+                 self.cfg.epochs or "forever")
+        while self._more_epochs() and not self._should_stop():
+            self.metrics.epoch.set(self.epoch)
+            self._publish_epoch()
+            self._roll_epoch()
+        self.checkpoint()
+        done = not self._more_epochs()
+        log.info("feeder %s after %d records this run (epoch %d, position %d; skipped %s)",
+                 "finished" if done else "stopped", self.sent, self.epoch, self.position, dict(self.bad.counts))
+        return self.sent
+
+    def _more_epochs(self) -> bool:
+        return self.cfg.epochs == 0 or self.epoch < self.cfg.epochs
+
+    def _should_stop(self) -> bool:
+        return self.stopping or 0 < self.cfg.max_records <= self.sent
+
+    def _roll_epoch(self) -> None:
+        if self.position >= self.per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def _publish_epoch(self) -> None:
+        """Send the rest of the current epoch, checkpointing every ``flush_every`` records."""
+        n = len(self.items)
+        while self.position < self.per_epoch and not self._should_stop():
+            if not self.pending and not self._wait_for_room():
+                return
+            if not self._pace():
+                return
+            sample_round, index = divmod(self.position, n)
+            item = self.items[self._round_order(sample_round)[index]]
+            self._send(item, sample_round)
+            self.position += 1
+            self.metrics.position.set(self.position)
+            if len(self.pending) >= self.cfg.flush_every:
+                self.checkpoint()
+
+    def _round_order(self, sample_round: int) -> list[int]:
+        if self._order_key != (self.epoch, sample_round):
+            self._order_key = (self.epoch, sample_round)
+            self._order = round_order(len(self.items), self.cfg.seed, self.epoch, sample_round, self.cfg.shuffle)
+        return self._order
+
+    def _send(self, item: DatasetItem, sample_round: int) -> None:
+        task = wire.PromptTask(prompt_id=item.prompt_id, prompt=item.prompt, task=item.task, epoch=self.epoch,
+                               sample_round=sample_round, metadata=item.metadata, created_at=wire.now())
+        future = self.producer.send(self.topic, key=item.prompt_id.encode(), value=wire.encode(task))
+        future.add_callback(lambda _meta: self.metrics.published.inc())
+        self.pending.append(future)
+        self.sent += 1
+
+    def checkpoint(self) -> None:
+        """Wait until the broker acknowledged everything sent, then save the cursor (that order is the point)."""
+        if self.pending:
+            self.producer.flush()
+            for future in self.pending:
+                future.get(timeout=self.cfg.kafka.request_timeout_ms / 1000)  # raises if the send failed
+            self.state.published_total += len(self.pending)
+            self.pending.clear()
+        self.state.epoch, self.state.position = self.epoch, self.position
+        save_state(self.state_path, self.state)
+
+    def _pace(self) -> bool:
+        """Rate limit as a token bucket of depth one: records evenly spaced, no burst after an idle spell."""
+        if self.cfg.rate_limit_per_s <= 0:
+            return True
+        now = time.monotonic()
+        if self._next_send_at > now and not self._sleep(self._next_send_at - now):
+            return False
+        self._next_send_at = max(self._next_send_at, time.monotonic()) + 1.0 / self.cfg.rate_limit_per_s
+        return True
+
+    def _wait_for_room(self) -> bool:
+        """Backpressure (``max_ahead``): wait while the producers' group lags this far behind the topic."""
+        if not self.cfg.max_ahead:
+            return True
+        while not self.stopping:
+            # Retried: a young cluster answers CoordinatorNotAvailable until its offsets topic exists.
+            lag = with_retry(lambda: consumer_lag(self.admin, self.cfg.consumer_group, self.topic),
+                             f"feeder: lag of {self.cfg.consumer_group}")
+            ahead = sum(lag.values())
+            self.metrics.ahead.set(ahead)
+            if ahead < self.cfg.max_ahead:
+                return True
+            self._sleep(self.cfg.lag_poll_s)
+        return False
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep in short slices so stop() takes effect quickly; False when stopped."""
+        end = time.monotonic() + seconds
+        while not self.stopping:
+            left = end - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.1))
+        return False
+
+    def close(self) -> None:
+        self.producer.close()
+        self.admin.close()
+
+
+def main(config: str | None, overrides: list[str]) -> int:
+    """``grpo-stream feed``: run until the epochs are exhausted (exit 0) or SIGTERM/SIGINT (state saved, exit 0)."""
+    cfg = load_config(FeederConfig, config, overrides)
+    feeder = Feeder(cfg)
+    server = MetricsServer(feeder.metrics.registry, cfg.metrics, health=feeder.health).start()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: saving progress after the broker acknowledges what was sent", signum)
+        feeder.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        feeder.run()
+    finally:
+        feeder.close()
+        server.stop()
+    return 0

@@ -51,11 +51,26 @@ def _learner(args: argparse.Namespace) -> int:
     return main(args.config, args.overrides)
 
 
+def _producer(args: argparse.Namespace) -> int:
+    from producers.service import main
+
+    return main(args.config, args.overrides)
+
+
+def _feed(args: argparse.Namespace) -> int:
+    from producers.feeder import main
+
+    return main(args.config, args.overrides)
+
+
 def _config(args: argparse.Namespace) -> int:
     from grpo_stream.config import TopicsFileConfig, explain
     from learner.config import LearnerConfig
+    from producers.config import ProducerConfig
+    from producers.feeder import FeederConfig
 
-    roles = {"topics": TopicsFileConfig, "learner": LearnerConfig}
+    roles = {"topics": TopicsFileConfig, "learner": LearnerConfig, "producer": ProducerConfig,
+             "feeder": FeederConfig}
     for line in explain(roles[args.role]):
         print(line)
     return 0
@@ -66,6 +81,10 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import learner
 
         return learner.main(bootstrap=args.bootstrap, steps=args.steps)
+    if args.what == "producer":
+        from grpo_stream.bench import producer
+
+        return producer.main(bootstrap=args.bootstrap)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -101,13 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("overrides", nargs="*", help="key=value overrides, e.g. publish_every=10 loss.beta=0.1")
     ln.set_defaults(fn=_learner)
 
+    pr = sub.add_parser("producer", help="generate G completions per prompt with hot-swapped weights")
+    pr.add_argument("--config", default=None, help="producer YAML (see configs/, `config explain producer`)")
+    pr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. backend.kind=vllm group_size=8")
+    pr.set_defaults(fn=_producer)
+
+    fd = sub.add_parser("feed", help="publish a dataset's prompts to the prompts topic (resumable)")
+    fd.add_argument("--config", default=None, help="feeder YAML (see configs/feeder.yaml)")
+    fd.add_argument("overrides", nargs="*", help="key=value overrides")
+    fd.set_defaults(fn=_feed)
+
     c = sub.add_parser("config", help="explain every config key of a role")
     c.add_argument("action", choices=["explain"])
-    c.add_argument("role", choices=["topics", "learner"])
+    c.add_argument("role", choices=["topics", "learner", "producer", "feeder"])
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire", "learner"])
+    b.add_argument("what", choices=["wire", "learner", "producer"])
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")

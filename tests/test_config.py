@@ -19,11 +19,13 @@ from grpo_stream.config import (
     require,
 )
 from learner.config import LearnerConfig
+from producers.config import ProducerConfig
 from producers.feeder import FeederConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every config file the project ships, with the typed config it must parse as. A new file must be added here.
-SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig}
+SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig,
+           "producer.yaml": ProducerConfig}
 
 
 @dataclass

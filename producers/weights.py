@@ -1,0 +1,91 @@
+"""The producer's weight subscription: follow the learner's announcements, fetch and verify newer weights,
+and hand them to the backend between batches (never mid-batch: a group is never split across versions).
+
+A weight file that is missing or corrupt is retried by the fetcher with backoff; if it still fails, the failure
+is reported and the producer keeps generating with the weights it has, trying again after ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kafka import KafkaConsumer, TopicPartition
+
+from grpo_stream import wire
+from grpo_stream.kafka_io import with_retry
+from grpo_stream.weight_store import WeightFetcher, WeightFetchError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Swap:
+    """A completed hot-swap: the new version, when the learner announced it, how long the fetch+load took."""
+
+    version: int
+    announced_at: float
+    load_s: float
+
+
+class WeightSubscriber:
+    def __init__(self, consumer: KafkaConsumer, topic: str, run: str, fetcher: WeightFetcher, version: int,
+                 retry_after_s: float = 5.0) -> None:
+        self.consumer, self.topic, self.run, self.fetcher = consumer, topic, run, fetcher
+        self.version = version
+        self.newest: wire.WeightsAnnouncement | None = None
+        self.retry_after_s = retry_after_s
+        self._failed_at: dict[int, float] = {}
+        parts = with_retry(lambda: _partitions(consumer, topic), f"producer: metadata of {topic}")
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)  # compacted: the latest announcement per run is always retained
+
+    @property
+    def newest_version(self) -> int:
+        return self.newest.version if self.newest is not None else self.version
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        """Read new announcements (non-blocking by default); remember the newest one for our run."""
+        for msgs in self.consumer.poll(timeout_ms=timeout_ms).values():
+            for msg in msgs:
+                try:
+                    ann = wire.decode(msg.value, wire.WeightsAnnouncement)
+                except wire.WireError as exc:
+                    log.warning("ignoring a bad record on %s@%d: %s", self.topic, msg.offset, exc)
+                    continue
+                # The last valid record for the run wins (what compaction keeps), also after a learner rewind.
+                if ann.run == self.run:
+                    self.newest = ann
+
+    def maybe_swap(self, load: Callable[[Path], None]) -> Swap | None:
+        """If a version other than ours was announced, fetch it and ``load(model_dir)``; None if there is nothing
+        to do. A failed fetch raises WeightFetchError (the caller reports it and keeps its weights); that
+        version is not tried again for ``retry_after_s``."""
+        ann = self.newest
+        if ann is None or ann.version == self.version:
+            return None
+        failed = self._failed_at.get(ann.version)
+        if failed is not None and time.monotonic() - failed < self.retry_after_s:
+            return None
+        t0 = time.perf_counter()
+        try:
+            path = self.fetcher.fetch(ann)
+        except WeightFetchError as exc:
+            self._failed_at[ann.version] = time.monotonic()
+            log.error("weights v%d unavailable, generating with v%d meanwhile: %s", ann.version, self.version, exc)
+            raise
+        load(path.parent)
+        self.version = ann.version
+        self._failed_at.pop(ann.version, None)
+        return Swap(ann.version, ann.published_at, time.perf_counter() - t0)
+
+
+def _partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
+    found = consumer.partitions_for_topic(topic)
+    if not found:
+        raise TimeoutError(f"topic {topic} not found (create it: grpo-stream topics create)")
+    return found

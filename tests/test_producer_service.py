@@ -1,0 +1,251 @@
+"""The producer on a real broker with the HF backend and a tiny local model: offset-based backpressure (and its
+live knobs), weight hot-swap, bad prompts, kill -9 recovery, and two producers sharing one consumer group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from kafka import KafkaAdminClient, TopicPartition
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from grpo_stream import wire
+from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
+from grpo_stream.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
+from grpo_stream.tiny_model import build_tiny_model
+from grpo_stream.topics import ensure_topics
+from grpo_stream.weight_store import WeightPublisher, WeightStoreConfig
+from producers.config import ProducerConfig
+from producers.service import Producer
+
+G = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> TopicsConfig:
+    plan = TopicsConfig()
+    prefix = unique("prod")
+    for spec in plan.all():
+        spec.name = f"{prefix}-{spec.name}"
+    ensure_topics(admin, plan)
+    return plan
+
+
+def _cfg(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path, *extra: str) -> ProducerConfig:
+    base = {"kafka": {"bootstrap": kafka_cfg.bootstrap}, "topics": to_dict(plan), "metrics": {"port": -1},
+            "backend": {"kind": "hf", "model": str(model_dir)}, "sampling": {"max_tokens": 8},
+            "weights": {"kind": "fs", "root": str(tmp_path / "weights")}, "group_size": G, "prompts_per_batch": 2,
+            "backpressure_poll_s": 0.2, "run": plan.prompts.name, "consumer_group": plan.prompts.name + "-p",
+            "learner_group": plan.prompts.name + "-l", "verifier_group": plan.prompts.name + "-v"}
+    path = tmp_path / f"producer-{len(list(tmp_path.glob('producer-*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return load_config(ProducerConfig, path, list(extra))
+
+
+def feed(kafka_cfg: KafkaConfig, plan: TopicsConfig, n: int, start: int = 0, extra: list[bytes] = ()) -> list[str]:
+    producer = make_producer(kafka_cfg, "test")
+    ids = []
+    for i in range(start, start + n):
+        task = wire.PromptTask(prompt_id=f"q{i}", prompt=f"max({i % 10},{(i * 7) % 10})=", task="exact",
+                               metadata={"answer": str(max(i % 10, (i * 7) % 10))})
+        producer.send(plan.prompts.name, key=task.prompt_id.encode(), value=wire.encode(task))
+        ids.append(task.group_id)
+    for raw in extra:
+        producer.send(plan.prompts.name, key=b"bad", value=raw)
+    producer.flush()
+    producer.close()
+    return ids
+
+
+def completions(kafka_cfg: KafkaConfig, topic: str, settle_s: float = 1.5) -> list[wire.Completion]:
+    consumer = make_consumer(kafka_cfg, "test", None, [topic])
+    out, quiet_since = [], time.monotonic()
+    while time.monotonic() - quiet_since < settle_s:
+        got = [m for msgs in consumer.poll(timeout_ms=200).values() for m in msgs]
+        if got:
+            quiet_since = time.monotonic()
+        out += [wire.decode(m.value, wire.Completion) for m in got]
+    consumer.close()
+    return out
+
+
+def wait_for(pred: Callable[[], bool], timeout_s: float = 90, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Running:
+    """A Producer in a background thread (in-process, so tests can read its metrics)."""
+
+    def __init__(self, cfg: ProducerConfig) -> None:
+        self.producer = Producer(cfg)
+        self.thread = threading.Thread(target=self.producer.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.producer.stopping = True
+        self.thread.join(timeout=60)
+        self.producer.close()
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[[ProducerConfig], Running]]:
+    started: list[Running] = []
+
+    def start(cfg: ProducerConfig) -> Running:
+        started.append(Running(cfg))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _count(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, topic: str) -> int:
+    return sum(end_offsets(admin, topic, range(4)).values())
+
+
+def test_backpressure_stops_at_the_backlog_and_resumes(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                       admin: KafkaAdminClient, plan: TopicsConfig,
+                                                       tmp_path: Path, running: Callable) -> None:
+    control = tmp_path / "knobs.yaml"
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "max_backlog_groups=6", f"control_file={control}")
+    feed(kafka_cfg, plan, 40)
+    r = running(cfg)
+    topic = plan.completions.name
+    # Nobody scores completions: the backlog grows 2 groups per batch and generation stops at 6 (+ one batch).
+    wait_for(lambda: r.producer.metrics.paused.labels(reason="backlog")._value.get() > 0, what="a pause")
+    time.sleep(1.5)
+    assert 6 * G <= _count(kafka_cfg, admin, topic) <= (6 + 2) * G
+    # Live knob: a larger limit in the control file lets it go on, without a restart.
+    control.write_text("max_backlog_groups: 10\n")
+    wait_for(lambda: _count(kafka_cfg, admin, topic) >= 10 * G, what="resume after the knob change")
+    time.sleep(1.5)
+    assert _count(kafka_cfg, admin, topic) <= (10 + 2) * G
+    # Offsets advancing (the verifiers consume everything) also resumes it.
+    verifier = make_consumer(kafka_cfg, "test", cfg.verifier_group)
+    ends = end_offsets(admin, topic, range(4))
+    verifier.assign([TopicPartition(topic, p) for p in ends])
+    commit_processed(verifier, {TopicPartition(topic, p): o for p, o in ends.items()})
+    verifier.close()
+    before = sum(ends.values())
+    wait_for(lambda: _count(kafka_cfg, admin, topic) > before, what="resume after offsets advanced")
+
+
+def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                                      plan: TopicsConfig, tmp_path: Path,
+                                                                      running: Callable) -> None:
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan, cfg.run)
+    other = build_tiny_model(tmp_path / "other", seed=7)
+    model = AutoModelForCausalLM.from_pretrained(other)
+    weights = tmp_path / "w"
+    weights.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              weights / "model.safetensors", metadata={"format": "pt"})
+    bad = publisher.publish(3, {"model.safetensors": weights / "model.safetensors"})
+    (tmp_path / "weights" / bad.location).write_bytes(b"corrupt")
+    publisher.announce(bad)
+    r = running(cfg)
+    feed(kafka_cfg, plan, 4, start=0)
+    wait_for(lambda: r.producer.metrics.weight_errors._value.get() >= 1, what="a failed fetch")
+    wait_for(lambda: r.producer.batches >= 2, what="batches with the old weights")
+    good = publisher.publish(5, {"model.safetensors": weights / "model.safetensors"})
+    publisher.announce(good)
+    wait_for(lambda: r.producer.weights.version == 5, what="the swap")
+    feed(kafka_cfg, plan, 4, start=100)
+    wait_for(lambda: r.producer.batches >= 4, what="batches with the new weights")
+    publisher.close()
+    got = completions(kafka_cfg, plan.completions.name)
+    versions = {c.group_id: c.policy_version for c in got}
+    assert {versions[f"q{i}@e0r0"] for i in range(4)} == {0}, "the corrupt v3 must not have been used"
+    assert {versions[f"q{i}@e0r0"] for i in range(100, 104)} == {5}
+    for gid in versions:  # one version per group
+        assert len({c.policy_version for c in got if c.group_id == gid}) == 1
+    assert r.producer.metrics.swap_latency._sum.get() > 0
+
+
+def test_bad_prompts_go_to_the_dlq(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path,
+                                   running: Callable) -> None:
+    long_prompt = wire.encode(wire.PromptTask(prompt_id="long", prompt="9" * 2000, task="exact"))
+    empty = wire.encode(wire.PromptTask(prompt_id="empty", prompt="   ", task="exact"))
+    ids = feed(kafka_cfg, plan, 3, extra=[b"\x01garbage", long_prompt, empty])
+    running(_cfg(model_dir, kafka_cfg, plan, tmp_path))
+    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.completions.name, 0.5)}) == 3,
+             what="the good prompts")
+    letters = [wire.decode(m.value, wire.DeadLetter) for m in _all(kafka_cfg, plan.dlq.name, 3)]
+    reasons = " | ".join(d.reason for d in letters)
+    assert "not msgpack" in reasons and "prompt_too_long" in reasons and "empty_prompt" in reasons
+    assert sorted({c.group_id for c in completions(kafka_cfg, plan.completions.name)}) == sorted(ids)
+
+
+def _all(kafka_cfg: KafkaConfig, topic: str, n: int) -> list:
+    consumer = make_consumer(kafka_cfg, "test", None, [topic])
+    out: list = []
+    deadline = time.monotonic() + 60
+    while len(out) < n and time.monotonic() < deadline:
+        out += [m for msgs in consumer.poll(timeout_ms=300).values() for m in msgs]
+    consumer.close()
+    return out
+
+
+def test_two_producers_split_the_prompts_without_doing_one_twice(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                                 plan: TopicsConfig, tmp_path: Path,
+                                                                 running: Callable) -> None:
+    a = running(_cfg(model_dir, kafka_cfg, plan, tmp_path, "producer_id=A"))
+    b = running(_cfg(model_dir, kafka_cfg, plan, tmp_path, "producer_id=B"))
+    # Steady state: both members hold partitions before prompts flow (a rebalance may legitimately re-deliver).
+    wait_for(lambda: a.producer.prompts.assignment() and b.producer.prompts.assignment(), what="assignments")
+    ids = feed(kafka_cfg, plan, 30)
+    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.completions.name, 0.5)}) == 30,
+             what="all groups")
+    got = completions(kafka_cfg, plan.completions.name)
+    identities = Counter((c.group_id, c.index) for c in got)
+    assert set(identities) == {(g, i) for g in ids for i in range(G)}
+    assert max(identities.values()) == 1, "a prompt was generated twice"
+    assert {c.producer_id for c in got} == {"A", "B"}
+
+
+@pytest.mark.slow
+def test_kill9_mid_stream_loses_no_prompt(model_dir: Path, kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
+                                          plan: TopicsConfig, tmp_path: Path) -> None:
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "idle_timeout_s=8")
+    path = tmp_path / "kill.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    ids = feed(kafka_cfg, plan, 60)
+    cmd = [sys.executable, "-m", "grpo_stream.cli", "producer", "--config", str(path)]
+    log = (tmp_path / "producer.log").open("ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    wait_for(lambda: _count(kafka_cfg, admin, plan.completions.name) >= 10, what="some completions")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _count(kafka_cfg, admin, plan.completions.name) < 60 * G, "killed too late to test anything"
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    assert proc.wait(timeout=240) == 0
+    got = completions(kafka_cfg, plan.completions.name)
+    identities = Counter((c.group_id, c.index) for c in got)
+    assert set(identities) == {(g, i) for g in ids for i in range(G)}, "every prompt's whole group is there"
+    # Duplicates are possible (the interrupted batch is redone) and are told apart by their attempt id.
+    for (gid, index), n in identities.items():
+        if n > 1:
+            attempts = {c.metadata["attempt"] for c in got if (c.group_id, c.index) == (gid, index)}
+            assert len(attempts) == n

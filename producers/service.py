@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 
 from kafka import TopicPartition
-from kafka.errors import KafkaError
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaError
 from transformers import AutoTokenizer
 
 from grpo_stream import wire

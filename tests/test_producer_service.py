@@ -24,7 +24,7 @@ from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
 from grpo_stream.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
 from grpo_stream.tiny_model import build_tiny_model
 from grpo_stream.topics import ensure_topics
-from grpo_stream.weight_store import WeightPublisher, WeightStoreConfig
+from grpo_stream.weight_store import WeightPublisher
 from producers.config import ProducerConfig
 from producers.service import Producer
 

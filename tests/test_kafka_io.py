@@ -52,12 +52,6 @@ def test_ten_thousand_completions_through_a_consumer_group(kafka_cfg: KafkaConfi
                                                            unique: Callable) -> None:
     topic, group, n_groups, g = new_topic("completions", partitions=4), unique("grp"), 1250, 8
     consumers = [make_consumer(kafka_cfg, "test", group, [topic]) for _ in range(2)]
-    # Both members must hold partitions before data flows: a rebalance mid-stream legitimately re-delivers.
-    deadline = time.monotonic() + 60
-    while not all(c.assignment() for c in consumers) and time.monotonic() < deadline:
-        for c in consumers:
-            c.poll(timeout_ms=100)
-    assert all(c.assignment() for c in consumers), "group did not stabilise"
     got: list[list] = [[], []]
     stop = threading.Event()
 
@@ -70,6 +64,15 @@ def test_ten_thousand_completions_through_a_consumer_group(kafka_cfg: KafkaConfi
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
+    # Both members must hold partitions before data flows: a rebalance mid-stream legitimately re-delivers.
+    def settled() -> bool:  # both hold partitions, and together exactly the 4 (no overlap mid-rebalance)
+        parts = [set(c.assignment()) for c in consumers]
+        return all(parts) and not (parts[0] & parts[1]) and len(parts[0] | parts[1]) == 4
+
+    deadline = time.monotonic() + 120
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert settled(), "group did not stabilise"
     producer = make_producer(kafka_cfg, "test")
     sent = []
     for grp in range(n_groups):

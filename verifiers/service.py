@@ -1,0 +1,209 @@
+"""The verifier process: completions -> rewards -> one ScoredGroup per group (``grpo-stream verifier``).
+
+Per poll: decode (dead-letter garbage) -> assemble groups (``verifiers.assembly``; duplicates ignored) ->
+resolve groups past ``group_timeout_s`` (partial or dlq) -> score every completed group's members in the
+sandboxed reward pool -> publish the ScoredGroups and wait for the acks -> commit each partition's low
+watermark (``Assembler.watermark``), the only offsets this service commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+from kafka import ConsumerRebalanceListener, TopicPartition
+
+from grpo_stream import wire
+from grpo_stream.config import load_config
+from grpo_stream.kafka_io import DeadLetters, commit_processed, make_consumer, make_producer
+from grpo_stream.metrics import MetricsServer
+from learner.advantages import group_stats
+from verifiers.assembly import Assembler, Ready
+from verifiers.config import VerifierConfig
+from verifiers.metrics import VerifierMetrics
+from verifiers.rewards import RewardPool, RewardRequest, RewardResult
+
+log = logging.getLogger("verifier")
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
+
+    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        v = self.verifier
+        v.commit([tp.partition for tp in revoked])  # what is done stays done for the next owner
+        for tp in revoked:
+            v.assembler.forget_partition(tp.partition)
+
+    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        log.info("assigned %s", sorted(tp.partition for tp in assigned))
+
+
+class Verifier:
+    def __init__(self, cfg: VerifierConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.verifier_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = VerifierMetrics()
+        self.pool = RewardPool(cfg.rewards)
+        self.producer = make_producer(cfg.kafka, "verifier")
+        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "verifier",
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+        self.assembler = Assembler()
+        self.consumer = make_consumer(cfg.kafka, "verifier", cfg.consumer_group,
+                                      session_timeout_ms=cfg.session_timeout_ms,
+                                      heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
+        self.consumer.subscribe([cfg.topics.completions.name], listener=_Rebalance(self))
+        self.stopping = False
+        self.last_completion_at = time.monotonic()
+        self._restarts_seen = 0
+        self._lag_at = 0.0
+
+    def run(self) -> None:
+        while not self.stopping:
+            polled = self.consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.max_poll_records)
+            ready = self._assemble(polled)
+            ready += self._resolve_expired()
+            if ready:
+                self._score_and_publish(ready)
+            self.commit()
+            self.metrics.pending.set(len(self.assembler.pending))
+            if polled or not self.consumer.assignment():  # idle counts only while we hold partitions
+                self.last_completion_at = time.monotonic()
+            elif self.cfg.idle_timeout_s and time.monotonic() - self.last_completion_at > self.cfg.idle_timeout_s:
+                break
+
+    def _assemble(self, polled: dict) -> list[Ready]:
+        ready = []
+        dedup_before = self.assembler.dedup_hits
+        for tp, msgs in polled.items():
+            for msg in msgs:
+                c = self.dead.decode(msg, wire.Completion)
+                if c is None:
+                    self.assembler.skip(tp.partition, msg.offset)
+                    continue
+                self.metrics.completions.inc()
+                group = self.assembler.add(tp.partition, msg.offset, c, msg)
+                if group is not None:
+                    ready.append(group)
+        self.metrics.dedup.inc(self.assembler.dedup_hits - dedup_before)
+        return ready
+
+    def _resolve_expired(self) -> list[Ready]:
+        """Groups whose producer never finished them: publish as partial, or dead-letter (configurable)."""
+        ready = []
+        for g in self.assembler.expired(self.cfg.group_timeout_s):
+            best = g.best()
+            if self.cfg.on_timeout == "partial" and len(best) >= self.cfg.min_group_size:
+                ready.append(Ready(g.group_id, g.partition, [best[i] for i in sorted(best)], partial=True))
+                continue
+            first = best[min(best)]
+            self.dead.send(first.msg, f"incomplete_group: {g.group_id} has {len(best)}/{g.group_size} members "
+                                      f"after {self.cfg.group_timeout_s:.0f}s")
+            self.metrics.dropped.inc()
+            self.assembler.done(g.partition, g.group_id)
+        return ready
+
+    def _score_and_publish(self, ready: list[Ready]) -> None:
+        t0 = time.perf_counter()
+        requests = [RewardRequest(completion=m.completion.completion, prompt=m.completion.prompt,
+                                  task=m.completion.task, metadata=m.completion.metadata)
+                    for r in ready for m in r.members]
+        results = iter(self.pool.score_batch(requests))
+        futures = []
+        for r in ready:
+            scored = [next(results) for _ in r.members]
+            record = self._scored_group(r, scored)
+            if record is None:
+                continue
+            futures.append((r, self.producer.send(self.cfg.topics.groups.name, key=r.group_id.encode(),
+                                                  value=wire.encode(record))))
+            self._observe(record, scored)
+        for r, future in futures:
+            future.get(timeout=120)  # acked before the group counts as done (and its offsets may be committed)
+            self.assembler.done(r.partition, r.group_id)
+        self.metrics.groups_per_s.set(len(futures) / max(time.perf_counter() - t0, 1e-9))
+
+    def _scored_group(self, r: Ready, scored: list[RewardResult]) -> wire.ScoredGroup | None:
+        rewards = [s.reward for s in scored]
+        mean, std = group_stats(rewards, self.cfg.stats_eps)
+        first = r.members[0].completion
+        errors = [s.error for s in scored if s.error]
+        record = wire.ScoredGroup(
+            group_id=r.group_id, prompt_id=first.prompt_id, task=first.task, policy_version=first.policy_version,
+            completions=[m.completion for m in r.members], rewards=rewards, reward_mean=mean, reward_std=std,
+            verifier_id=self.id, group_size=first.group_size, partial=r.partial,
+            reward_info={"errors": errors[:16]} if errors else {}, scored_at=wire.now())
+        try:
+            record.validate()
+        except wire.WireError as exc:  # e.g. members disagreeing on their version: never crash, dead-letter it
+            self.dead.send(r.members[0].msg, f"invalid_group: {r.group_id}: {exc}")
+            self.assembler.done(r.partition, r.group_id)
+            return None
+        return record
+
+    def _observe(self, record: wire.ScoredGroup, scored: list[RewardResult]) -> None:
+        m = self.metrics
+        m.groups.labels(task=record.task).inc()
+        m.reward_mean.labels(task=record.task).set(record.reward_mean)
+        m.pass_rate.labels(task=record.task).set(sum(r >= 1.0 for r in record.rewards) / len(record.rewards))
+        if record.partial:
+            m.partial.inc()
+        for s in scored:
+            m.reward_seconds.observe(s.seconds)
+            if s.error:
+                m.reward_errors.labels(reason=s.error.split(":", 1)[0]).inc()
+        restarts = int(self.pool.stats().get("restarts", 0))
+        m.worker_restarts.inc(max(0, restarts - self._restarts_seen))
+        self._restarts_seen = max(restarts, self._restarts_seen)
+
+    def commit(self, partitions: list[int] | None = None) -> None:
+        """Commit each partition's low watermark: everything below it is published, deduplicated or dead."""
+        topic = self.cfg.topics.completions.name
+        offsets = {}
+        for tp in self.consumer.assignment():
+            if partitions is not None and tp.partition not in partitions:
+                continue
+            mark = self.assembler.watermark(tp.partition)
+            if mark is not None:
+                offsets[TopicPartition(topic, tp.partition)] = mark
+        commit_processed(self.consumer, offsets)
+        self._update_lag()
+
+    def _update_lag(self) -> None:
+        if time.monotonic() - self._lag_at < 2.0:  # an extra round trip: not on every poll
+            return
+        self._lag_at = time.monotonic()
+        assigned = list(self.consumer.assignment())
+        if assigned:
+            ends = self.consumer.end_offsets(assigned)
+            self.metrics.lag.set(sum(max(0, end - self.consumer.position(tp)) for tp, end in ends.items()))
+
+    def close(self) -> None:
+        for closer in (self.consumer.close, self.producer.close, self.pool.close):
+            try:
+                closer()
+            except Exception as exc:  # closing is best effort
+                log.warning("close: %s", exc)
+
+
+def main(config: str | None, overrides: list[str]) -> int:
+    cfg = load_config(VerifierConfig, config, overrides)
+    verifier = Verifier(cfg)
+    server = MetricsServer(verifier.metrics.registry, cfg.metrics,
+                           health=lambda: (not verifier.stopping, {"pending": len(verifier.assembler.pending)})).start()
+
+    def stop(signum: int, _frame: object) -> None:
+        verifier.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        verifier.run()
+    finally:
+        verifier.close()
+        server.stop()
+    return 0

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from grpo_stream import wire
-from learner.advantages import group_advantages
+from learner.advantages import group_advantages, is_zero_variance
 from learner.batching import Batch, collate, microbatches
 from learner.config import LearnerConfig
 from learner.logprobs import completion_logprobs, completion_logprobs_with_entropy
@@ -68,6 +68,10 @@ class Trainer:
         t0 = time.perf_counter()
         advantages = [group_advantages(g.rewards, self.cfg.advantages).float() for g in groups]
         batch = collate(groups, advantages, self.pad_id)
+        if self.cfg.advantages.zero_variance == "mask":
+            # Eq. 8 masks the whole per-prompt term, the KL included: zero-variance groups lose their tokens.
+            flat = torch.tensor([is_zero_variance(g.rewards) for g in groups], dtype=torch.bool)
+            batch.completion_mask[flat[batch.group_index]] = 0.0
         micro = [mb.to(self.device) for mb in microbatches(batch, self.cfg.micro_batch_tokens)]
         stats.tokens = int(batch.num_tokens)
         stats.timings["collate"] = time.perf_counter() - t0
@@ -107,7 +111,7 @@ class Trainer:
             weight = self._micro_weight(mb, batch)
             t1 = time.perf_counter()
             finite = finite and bool(torch.isfinite(out.loss))
-            if finite:
+            if finite and out.loss.requires_grad:  # a micro-batch of only masked rows has nothing to learn
                 (out.loss * weight).backward()
             t_fwd, t_bwd = t_fwd + (t1 - t0), t_bwd + (time.perf_counter() - t1)
             for key, value in out.metrics.items():

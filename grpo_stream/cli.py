@@ -57,6 +57,12 @@ def _producer(args: argparse.Namespace) -> int:
     return main(args.config, args.overrides)
 
 
+def _verifier(args: argparse.Namespace) -> int:
+    from verifiers.service import main
+
+    return main(args.config, args.overrides)
+
+
 def _feed(args: argparse.Namespace) -> int:
     from producers.feeder import main
 
@@ -68,9 +74,10 @@ def _config(args: argparse.Namespace) -> int:
     from learner.config import LearnerConfig
     from producers.config import ProducerConfig
     from producers.feeder import FeederConfig
+    from verifiers.config import VerifierConfig
 
     roles = {"topics": TopicsFileConfig, "learner": LearnerConfig, "producer": ProducerConfig,
-             "feeder": FeederConfig}
+             "feeder": FeederConfig, "verifier": VerifierConfig}
     for line in explain(roles[args.role]):
         print(line)
     return 0
@@ -90,9 +97,23 @@ def _bench(args: argparse.Namespace) -> int:
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
 
 
-def _demo(args: argparse.Namespace) -> int:
-    print("grpo-stream demo: not yet -- the end-to-end demo lands with the learner, producers and verifiers.")
+def _run(args: argparse.Namespace) -> int:
+    from grpo_stream.run import main
+
+    return main(args.config, args.overrides)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from grpo_stream.report import write_report
+
+    print(write_report(args.run_dir))
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from grpo_stream.demo import main
+
+    return main(backend=args.backend, minutes=args.minutes, seed=args.seed, out=args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. backend.kind=vllm group_size=8")
     pr.set_defaults(fn=_producer)
 
+    vf = sub.add_parser("verifier", help="score completions, assemble groups, publish ScoredGroups")
+    vf.add_argument("--config", default=None, help="verifier YAML (see configs/, `config explain verifier`)")
+    vf.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rewards.workers=4")
+    vf.set_defaults(fn=_verifier)
+
     fd = sub.add_parser("feed", help="publish a dataset's prompts to the prompts topic (resumable)")
     fd.add_argument("--config", default=None, help="feeder YAML (see configs/feeder.yaml)")
     fd.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -132,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="explain every config key of a role")
     c.add_argument("action", choices=["explain"])
-    c.add_argument("role", choices=["topics", "learner", "producer", "feeder"])
+    c.add_argument("role", choices=["topics", "learner", "producer", "feeder", "verifier"])
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
@@ -143,7 +169,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=5, help="learner: timed steps per model")
     b.set_defaults(fn=_bench)
 
-    d = sub.add_parser("demo", help="end-to-end demo on a tiny model (not yet)")
+    r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")
+    r.add_argument("config", help="run YAML (e.g. configs/demo.yaml)")
+    r.add_argument("overrides", nargs="*", help="key=value overrides, e.g. producers.count=2 learner.max_steps=50")
+    r.set_defaults(fn=_run)
+
+    rp = sub.add_parser("report", help="rebuild report.png of a run directory")
+    rp.add_argument("run_dir", help="runs/<name>")
+    rp.set_defaults(fn=_report)
+
+    d = sub.add_parser("demo", help="a tiny model learning through the whole pipeline on this CPU (no arguments)")
+    d.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="producers' generation backend")
+    d.add_argument("--minutes", type=float, default=15.0, help="time budget, warm start and evals included")
+    d.add_argument("--seed", type=int, default=0, help="model, data and sampling seed")
+    d.add_argument("--out", default=None, help="run directory (default runs/demo-seed<SEED>)")
     d.set_defaults(fn=_demo)
     return p
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ class LearnerMetrics:
             self.phase.labels(phase=phase).observe(seconds)
         self.skipped.inc(skipped)
         self.lag.set(lag)
-        self._write_jsonl({"step": step, **metrics, "timings": timings, "staleness": staleness,
+        self._write_jsonl({"step": step, "time": time.time(), **metrics, "timings": timings, "staleness": staleness,
                            "dropped": dropped, "tokens": tokens, "skipped_updates": skipped, "lag": lag})
 
     def observe_publish(self, version: int, size_bytes: int) -> None:

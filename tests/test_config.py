@@ -18,14 +18,16 @@ from grpo_stream.config import (
     opt,
     require,
 )
+from grpo_stream.run import RunConfig, role_configs
 from learner.config import LearnerConfig
 from producers.config import ProducerConfig
 from producers.feeder import FeederConfig
+from verifiers.config import VerifierConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every config file the project ships, with the typed config it must parse as. A new file must be added here.
 SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig,
-           "producer.yaml": ProducerConfig}
+           "producer.yaml": ProducerConfig, "verifier.yaml": VerifierConfig}
 
 
 @dataclass
@@ -45,11 +47,30 @@ class Outer:
     inner: Inner = opt(factory=Inner, help="inner section")
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+SHIPPED_FILES = sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED_FILES)
 def test_every_shipped_config_parses(name: str) -> None:
+    """Role configs parse as their class; run configs (demo, the paper's grid) also validate every role in them."""
+    if name == "demo.yaml" or name.startswith("paper/"):
+        cfg = load_config(RunConfig, REPO / "configs" / name)
+        assert set(role_configs(cfg, "127.0.0.1:9092")) >= {"learner", "producer", "verifier"}
+        return
     assert name in SHIPPED, f"configs/{name} is not registered in SHIPPED with its config class"
     cfg = load_config(SHIPPED[name], REPO / "configs" / name, ignore_unknown_top=True)
     assert cfg is not None
+
+
+def test_paper_grid_knobs() -> None:
+    """The §5.1 grid differs exactly in v, i and zero-variance masking; §5.2 in v."""
+    grid = {p.stem: load_config(RunConfig, p).learner for p in (REPO / "configs/paper").glob("*.yaml")}
+    knobs = {k: (v["publish_every"], v.get("grad_steps_per_batch", 1), v["advantages"]["zero_variance"]
+                 if "advantages" in v else "mask") for k, v in grid.items()}
+    assert knobs["gsm8k-v1-i1"] == (1, 1, "keep") and knobs["gsm8k-v1-i1-zvmask"] == (1, 1, "mask")
+    assert knobs["gsm8k-v10-i1"] == (10, 1, "keep") and knobs["gsm8k-v1-i10"] == (1, 10, "keep")
+    assert knobs["deepscaler-v1-i1"][0] == 1 and knobs["deepscaler-v10-i1"][0] == 10
+    assert all(g["optim"]["lr"] == 5e-6 and g["loss"]["beta"] == 0.1 for k, g in grid.items() if "gsm8k" in k)
 
 
 def test_shipped_topic_plan_equals_the_code_default() -> None:

@@ -1,0 +1,62 @@
+"""``grpo-stream report runs/<name>``: the run's picture (report.png) from its own records.
+
+Panels: reward vs learner step (train: the mean reward of each step's groups; held-out: eval.jsonl points),
+the staleness histogram of trained groups (from the lineage), and learner throughput over wall time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from learner.lineage import read_lines
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for raw in path.read_text().splitlines():
+        try:
+            out.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def write_report(run_dir: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    metrics = _jsonl(run / "metrics.jsonl")
+    evals = _jsonl(run / "eval.jsonl")
+    staleness = [e["staleness"] for line in read_lines(run / "lineage.jsonl") for e in line["trained"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    if metrics:
+        ax.plot([m["step"] for m in metrics], [m.get("reward_mean", 0.0) for m in metrics], lw=0.8, alpha=0.7,
+                label="train (batch mean)")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_reward"] for e in evals], "o-", color="C3", label="held-out")
+    ax.set(title="reward", xlabel="learner step", ylim=(-0.02, 1.02))
+    ax.legend(loc="lower right")
+    ax = axes[1]
+    if staleness:
+        ax.hist(staleness, bins=range(0, max(staleness) + 2), align="left", rwidth=0.85)
+    ax.set(title="staleness of trained groups", xlabel="learner steps behind", ylabel="groups")
+    ax = axes[2]
+    if metrics and "time" in metrics[0]:
+        t0 = metrics[0]["time"]
+        rate = [m.get("tokens", 0) / max(sum(m.get("timings", {}).values()), 1e-9) for m in metrics]
+        ax.plot([m["time"] - t0 for m in metrics], rate, lw=0.8)
+    ax.set(title="learner throughput", xlabel="seconds", ylabel="completion tokens / s")
+    fig.suptitle(run.name)
+    fig.tight_layout()
+    out = run / "report.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

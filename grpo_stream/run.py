@@ -1,0 +1,367 @@
+"""``grpo-stream run CONFIG.yaml``: a whole pipeline as separate OS processes, supervised.
+
+The run YAML holds the shared ``kafka`` and ``topics`` sections and one section per role (``feeder``,
+``producers``, ``verifiers``, ``learner``) in that role's own config format; each role is started exactly as k8s
+would start it: ``grpo-stream <role> --config runs/<name>/configs/<role>.yaml``. The supervisor streams their
+logs with a prefix, restarts a crashed child with backoff, shows learner progress, stops everything on Ctrl-C /
+SIGTERM / the time budget / the learner's ``max_steps``, and exits non-zero when the learner failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from grpo_stream.config import ConfigError, KafkaConfig, TopicsConfig, build, opt, require, to_dict, validate_tree
+
+log = logging.getLogger("run")
+
+
+@dataclass
+class RoleCount:
+    """A scalable role: how many processes, and their config section."""
+
+    count: int = opt(1, "Processes of this role.")
+    config: dict[str, Any] = opt(factory=dict, help="The role's own config keys (see config explain <role>).")
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("run", "Run name: runs/<name>/ and the learner's run (weight announcements).")
+    out_dir: str = opt("", "Output directory. Empty: runs/<name>.")
+    kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster. bootstrap empty: start a local broker for the run.")
+    topics: TopicsConfig = opt(factory=TopicsConfig, help="The topic plan, created at start (idempotent).")
+    feeder: dict[str, Any] = opt(factory=dict, help="Feeder config keys (config explain feeder). {} = no feeder.")
+    producers: RoleCount = opt(factory=RoleCount, help="Producer processes.")
+    verifiers: RoleCount = opt(factory=RoleCount, help="Verifier processes.")
+    learner: dict[str, Any] = opt(factory=dict, help="Learner config keys (config explain learner).")
+    max_minutes: float = opt(0.0, "Stop the run after this long (0: when the learner reaches max_steps).")
+    restart_backoff_s: float = opt(2.0, "First restart delay of a crashed child (doubles per crash).")
+    max_restarts: int = opt(5, "Give up on a role after this many crashes (then the run fails).")
+
+    def validate(self) -> None:
+        require(bool(self.learner), "learner: a run needs a learner section")
+        require(self.producers.count >= 0 and self.verifiers.count >= 0, "producers/verifiers.count: must be >= 0")
+        require(self.max_restarts >= 0, "max_restarts: must be >= 0")
+
+    @property
+    def out(self) -> Path:
+        return Path(self.out_dir or f"runs/{self.name}")
+
+
+def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
+    """Each role's complete config (shared kafka/topics merged in), validated with the role's own schema."""
+    from learner.config import LearnerConfig
+    from producers.config import ProducerConfig
+    from producers.feeder import FeederConfig
+    from verifiers.config import VerifierConfig
+
+    shared = {"kafka": {**to_dict(cfg.kafka), "bootstrap": bootstrap}, "topics": to_dict(cfg.topics)}
+    sections: dict[str, tuple[type, dict[str, Any]]] = {
+        "learner": (LearnerConfig, {"run": cfg.name, "out_dir": str(cfg.out), **cfg.learner}),
+        "producer": (ProducerConfig, {"run": cfg.name, **cfg.producers.config}),
+        "verifier": (VerifierConfig, cfg.verifiers.config),
+    }
+    if cfg.feeder:
+        sections["feeder"] = (FeederConfig, {"out_dir": str(cfg.out), **cfg.feeder})
+    resolved = {}
+    for role, (cls, section) in sections.items():
+        merged = _deep_merge(shared, section)
+        try:
+            validate_tree(build(cls, merged, ""))
+        except ConfigError as exc:
+            raise ConfigError(f"{role}: {exc}") from None
+        resolved[role] = merged
+    return resolved
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass
+class Child:
+    """One supervised process of a role; every output line goes to its log file and to ``sink``."""
+
+    name: str
+    cmd: list[str]
+    log_file: IO[str]
+    sink: Callable[[str, str], None]
+    proc: subprocess.Popen[str] | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    started_at: float = 0.0
+    done: bool = False
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1)
+        self.started_at = time.monotonic()
+        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
+
+    def _pump(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.log_file.write(line)
+            self.log_file.flush()
+            self.sink(self.name, line)
+
+    def status(self) -> str:
+        state = "done" if self.done else ("running" if self.proc and self.proc.poll() is None else "down")
+        pid = self.proc.pid if self.proc else "-"
+        return f"{self.name:<12} {state:<8} pid {pid} restarts {self.restarts}"
+
+
+@dataclass
+class Supervisor:
+    cfg: RunConfig
+    sink: Callable[[str, str], None] = lambda name, line: sys.stdout.write(f"[{name}] {line}")
+    children: list[Child] = field(default_factory=list)
+    stopping: bool = False
+    learner_failed: bool = False
+
+    def spawn(self, role: str, index: int, config_path: Path) -> None:
+        name = role if role in ("learner", "feeder") else f"{role}-{index}"
+        logs = self.cfg.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "grpo_stream.cli", role if role != "feeder" else "feed", "--config",
+               str(config_path)]
+        if role == "producer":
+            cmd.append(f"producer_id={name}")
+        elif role == "verifier":
+            cmd.append(f"verifier_id={name}")
+        child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink)
+        child.start()
+        self.children.append(child)
+
+    def watch(self, deadline: float | None, on_tick: Any = None) -> None:
+        """Until the learner finishes, the deadline passes or a stop is requested: restart crashed children."""
+        while not self.stopping:
+            if deadline is not None and time.monotonic() > deadline:
+                log.info("time budget reached")
+                break
+            for child in self.children:
+                if self._check(child):
+                    return
+            if on_tick is not None:
+                on_tick()
+            time.sleep(0.5)
+
+    def _check(self, child: Child) -> bool:
+        """Restart a crashed child; True when the run is over (the learner exited)."""
+        if child.done or child.proc is None:
+            return False
+        rc = child.proc.poll()
+        if rc is None:
+            return False
+        if rc == 0 or self.stopping:
+            child.done = True
+            return child.name == "learner"
+        if child.next_start == 0.0:
+            child.restarts += 1
+            if child.restarts > self.cfg.max_restarts:
+                log.error("%s crashed %d times; giving up", child.name, child.restarts)
+                self.learner_failed = self.learner_failed or child.name == "learner"
+                child.done = True
+                return child.name == "learner"
+            delay = self.cfg.restart_backoff_s * 2 ** (child.restarts - 1)
+            log.warning("%s exited with %d; restart %d in %.1fs", child.name, rc, child.restarts, delay)
+            child.next_start = time.monotonic() + delay
+        elif time.monotonic() >= child.next_start:
+            child.next_start = 0.0
+            child.start()
+        return False
+
+    def stop_all(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM everyone (the learner checkpoints on it), then SIGKILL whatever is left after the timeout."""
+        self.stopping = True
+        for child in self.children:
+            if child.proc and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            if child.name == "learner" and child.proc.returncode not in (0, -signal.SIGTERM):
+                self.learner_failed = True
+            child.log_file.close()
+
+    def status_lines(self) -> list[str]:
+        return [c.status() for c in self.children]
+
+
+def write_configs(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> dict[str, Path]:
+    out = cfg.out / "configs"
+    out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "run-config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    paths = {}
+    for role, data in resolved.items():
+        paths[role] = out / f"{role}.yaml"
+        paths[role].write_text(yaml.safe_dump(data, sort_keys=False))
+    return paths
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = []
+    for raw in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return lines
+
+
+def summarize(cfg: RunConfig, wall_s: float, supervisor: Supervisor, extra: dict[str, Any]) -> dict[str, Any]:
+    """summary.json: what the run did, from the learner's own records."""
+    from learner.lineage import read_lines
+
+    lineage = list(read_lines(cfg.out / "lineage.jsonl"))
+    trained = [e for line in lineage for e in line["trained"]]
+    dropped = [e for line in lineage for e in line["dropped"]]
+    staleness = [e["staleness"] for e in trained]
+    metrics = read_metrics(cfg.out / "metrics.jsonl")
+    initial = 1 if cfg.learner.get("publish_initial", True) else 0
+    summary = {
+        "run_dir": str(cfg.out), "learner_steps": lineage[-1]["step"] if lineage else 0,
+        "wall_seconds": round(wall_s, 1), "groups_trained": len(trained),
+        "groups_dropped_stale": sum(e["reason"] == "stale" for e in dropped),
+        "groups_dropped_other": sum(e["reason"] != "stale" for e in dropped),
+        "mean_staleness": (sum(staleness) / len(staleness)) if staleness else 0.0,
+        "weight_versions_published": initial + sum("publish" in m.get("timings", {}) for m in metrics),
+        "restarts": {c.name: c.restarts for c in supervisor.children if c.restarts},
+        "learner_failed": supervisor.learner_failed, **extra,
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class Progress:
+    """The learner's progress from its metrics.jsonl: a tqdm bar on a terminal, a log line otherwise."""
+
+    def __init__(self, cfg: RunConfig, tty: bool) -> None:
+        from tqdm import tqdm
+
+        self.path = cfg.out / "metrics.jsonl"
+        total = int(cfg.learner.get("max_steps", 0)) or None
+        self.bar = tqdm(total=total, unit="step", desc=cfg.name, disable=not tty, dynamic_ncols=True)
+        self.tty, self.seen, self.last_log = tty, 0, 0.0
+
+    def tick(self) -> None:
+        lines = read_metrics(self.path)
+        if len(lines) <= self.seen:
+            return
+        new, self.seen = lines[self.seen:], len(lines)
+        last = new[-1]
+        stale = [s for m in new for s in m.get("staleness", [])]
+        step_s = sum(last.get("timings", {}).values()) or 1e-9
+        info = {"reward": f"{last.get('reward_mean', 0.0):.3f}",
+                "staleness": f"{(sum(stale) / len(stale)) if stale else 0.0:.2f}",
+                "tok/s": f"{last.get('tokens', 0) / step_s:.0f}"}
+        self.bar.update(len(new))
+        self.bar.set_postfix(info, refresh=True)
+        if not self.tty and time.monotonic() - self.last_log > 10:
+            self.last_log = time.monotonic()
+            log.info("learner step %d: %s", last["step"], " ".join(f"{k} {v}" for k, v in info.items()))
+
+    def write(self, text: str) -> None:
+        self.bar.write(text.rstrip("\n")) if self.tty else sys.stdout.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def execute(cfg: RunConfig, tty: bool | None = None,
+            on_tick: Callable[[], None] | None = None) -> tuple[dict[str, Any], int]:
+    """Run the pipeline described by ``cfg`` to its end; returns (summary, exit code). ``on_tick`` runs about
+    twice a second in the supervisor (the demo evaluates published weights from it)."""
+    from grpo_stream.broker import LocalBroker, free_port
+    from grpo_stream.kafka_io import make_admin
+    from grpo_stream.topics import ensure_topics
+
+    tty = sys.stdout.isatty() if tty is None else tty
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    broker = None
+    bootstrap = cfg.kafka.bootstrap or os.environ.get("KAFKA_BOOTSTRAP")
+    if not bootstrap:  # the embedded default: a broker of our own for the run, stopped at the end
+        broker = LocalBroker(data_dir=cfg.out / "kafka", port=free_port(), controller_port=free_port())
+        bootstrap = broker.up(fresh=True)["bootstrap"]
+    progress = Progress(cfg, tty)
+    # On a terminal the bar owns the screen: children's INFO lines go to their log files only.
+    sup = Supervisor(cfg, sink=lambda name, line: _route(progress, tty, name, line))
+    try:
+        admin = make_admin(KafkaConfig(**{**to_dict(cfg.kafka), "bootstrap": bootstrap}))
+        ensure_topics(admin, cfg.topics)
+        admin.close()
+        paths = write_configs(cfg, role_configs(cfg, bootstrap))
+        _install_signals(sup, progress)
+        sup.spawn("learner", 0, paths["learner"])
+        for i in range(cfg.verifiers.count):
+            sup.spawn("verifier", i, paths["verifier"])
+        for i in range(cfg.producers.count):
+            sup.spawn("producer", i, paths["producer"])
+        if "feeder" in paths:
+            sup.spawn("feeder", 0, paths["feeder"])
+        deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
+        sup.watch(deadline, lambda: (progress.tick(), on_tick() if on_tick else None))
+    finally:
+        sup.stop_all()
+        progress.tick()
+        progress.close()
+        if broker is not None:
+            broker.down()
+    summary = summarize(cfg, time.monotonic() - started, sup, {})
+    return summary, 1 if sup.learner_failed else 0
+
+
+def _route(progress: Progress, tty: bool, name: str, line: str) -> None:
+    if not tty or " WARNING " in line or " ERROR " in line or "Traceback" in line:
+        progress.write(f"[{name}] {line}")
+
+
+def _install_signals(sup: Supervisor, progress: Progress) -> None:
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping the run", signum)
+        sup.stopping = True
+
+    def status(_signum: int, _frame: object) -> None:
+        for line in sup.status_lines():
+            progress.write(line + "\n")
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, status)
+
+
+def main(config: str, overrides: list[str]) -> int:
+    from grpo_stream.config import load_config
+    from grpo_stream.report import write_report
+
+    cfg = load_config(RunConfig, config, overrides)
+    summary, rc = execute(cfg)
+    write_report(cfg.out)
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {cfg.out} (summary.json, report.png, metrics.jsonl, lineage.jsonl, logs/)")
+    return rc

@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # kafka-python narrates every connection at INFO
+        logging.getLogger("kafka").setLevel(logging.WARNING)
     from grpo_stream.broker import BrokerError
     from grpo_stream.topics import TopicConflict
 

@@ -68,12 +68,12 @@ class Trainer:
         t0 = time.perf_counter()
         advantages = [group_advantages(g.rewards, self.cfg.advantages).float() for g in groups]
         batch = collate(groups, advantages, self.pad_id)
+        stats.tokens = int(batch.num_tokens)  # tokens processed (throughput), before eq. 8 masks any
         if self.cfg.advantages.zero_variance == "mask":
             # Eq. 8 masks the whole per-prompt term, the KL included: zero-variance groups lose their tokens.
             flat = torch.tensor([is_zero_variance(g.rewards) for g in groups], dtype=torch.bool)
             batch.completion_mask[flat[batch.group_index]] = 0.0
         micro = [mb.to(self.device) for mb in microbatches(batch, self.cfg.micro_batch_tokens)]
-        stats.tokens = int(batch.num_tokens)
         stats.timings["collate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         proximal = self._no_grad_logprobs(self.model, micro) if self.cfg.loss.requires_proximal() else None

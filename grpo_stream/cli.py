@@ -110,6 +110,12 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _k8s(args: argparse.Namespace) -> int:
+    from grpo_stream.k8s import main
+
+    return main([args.action, *args.rest])
+
+
 def _demo(args: argparse.Namespace) -> int:
     from grpo_stream.demo import main
 
@@ -177,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="rebuild report.png of a run directory")
     rp.add_argument("run_dir", help="runs/<name>")
     rp.set_defaults(fn=_report)
+
+    k8 = sub.add_parser("k8s", help="generate/check ops/k8s files derived from configs/ (topics, ConfigMaps)")
+    k8.add_argument("action", choices=["generate", "check", "topics"])
+    k8.add_argument("rest", nargs=argparse.REMAINDER, help="topics: --config FILE [key=value ...]")
+    k8.set_defaults(fn=_k8s)
 
     d = sub.add_parser("demo", help="a tiny model learning through the whole pipeline on this CPU (no arguments)")
     d.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="producers' generation backend")

@@ -112,8 +112,26 @@ install_kafka() {
   mv "$KAFKA_LIBS.tmp" "$KAFKA_LIBS"
 }
 
+# Validators the ops tests use (tests/test_ops.py): promtool + prometheus (Debian's package) and the docker compose
+# CLI plugin (built from the Go module proxy; only the client, no daemon). kubectl (kustomize) ships with the
+# machine image; hadolint and kubernetes-validate come with the dev extras.
+install_ops_tools() {
+  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    if can_apt; then say "installing prometheus (promtool) with apt"; apt_install prometheus
+    else say "note: promtool/prometheus missing (ops tests need them): sudo apt-get install prometheus"; fi
+  fi
+  if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+    if command -v go >/dev/null 2>&1; then
+      say "building the docker compose CLI plugin (go install)"
+      go install github.com/docker/compose/v2/cmd@v2.29.7
+      install -D "$(go env GOPATH)/bin/cmd" "$HOME/.docker/cli-plugins/docker-compose"
+    else say "note: docker compose missing (ops tests validate the compose file with it): install Go, rerun"; fi
+  fi
+}
+
 main() {
   check_prereqs
+  install_ops_tools
   local mode stamp_file="$CACHE/setup.stamp" want
   mode="$(want_vllm)"
   want="$(stamp_value "$mode")"

@@ -52,7 +52,11 @@ def write_report(run_dir: str | Path) -> Path:
     if metrics and "time" in metrics[0]:
         t0 = metrics[0]["time"]
         rate = [m.get("tokens", 0) / max(sum(m.get("timings", {}).values()), 1e-9) for m in metrics]
-        ax.plot([m["time"] - t0 for m in metrics], rate, lw=0.8)
+        ax.plot([m["time"] - t0 for m in metrics], rate, lw=0.5, alpha=0.35, label="per step")
+        k = min(20, len(rate))  # per-step rates are noisy (waits, publishes): show a running mean too
+        smooth = [sum(rate[max(0, i - k + 1):i + 1]) / len(rate[max(0, i - k + 1):i + 1]) for i in range(len(rate))]
+        ax.plot([m["time"] - t0 for m in metrics], smooth, lw=1.2, label=f"mean of {k} steps")
+        ax.legend(loc="lower right")
     ax.set(title="learner throughput", xlabel="seconds", ylabel="completion tokens / s")
     fig.suptitle(run.name)
     fig.tight_layout()

@@ -148,6 +148,12 @@ class Supervisor:
         child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink)
         child.start()
         self.children.append(child)
+        self.write_status()
+
+    def write_status(self) -> None:
+        """runs/<name>/children.json: pid and restarts per child (for operators and tests)."""
+        data = {c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children}
+        (self.cfg.out / "children.json").write_text(json.dumps(data, indent=1))
 
     def watch(self, deadline: float | None, on_tick: Any = None) -> None:
         """Until the learner finishes, the deadline passes or a stop is requested: restart crashed children."""
@@ -185,6 +191,7 @@ class Supervisor:
         elif time.monotonic() >= child.next_start:
             child.next_start = 0.0
             child.start()
+            self.write_status()
         return False
 
     def stop_all(self, timeout_s: float = 60.0) -> None:

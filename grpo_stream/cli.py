@@ -88,6 +88,10 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import learner
 
         return learner.main(bootstrap=args.bootstrap, steps=args.steps)
+    if args.what == "verifier":
+        from grpo_stream.bench import verifier
+
+        return verifier.main(bootstrap=args.bootstrap)
     if args.what == "producer":
         from grpo_stream.bench import producer
 
@@ -168,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire", "learner", "producer"])
+    b.add_argument("what", choices=["wire", "learner", "producer", "verifier"])
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")

@@ -34,10 +34,11 @@ class _Rebalance(ConsumerRebalanceListener):
         self.verifier = verifier
 
     def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        v = self.verifier
-        v.commit([tp.partition for tp in revoked])  # what is done stays done for the next owner
+        # No commit here: kafka-python 3 runs this on its IO thread, where a blocking commit is refused. Every
+        # loop iteration already committed what is done, so the next owner re-reads at most the last
+        # iteration's records (rebuilt groups, deduplicated downstream), and nothing is lost.
         for tp in revoked:
-            v.assembler.forget_partition(tp.partition)
+            self.verifier.assembler.forget_partition(tp.partition)
 
     def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         log.info("assigned %s", sorted(tp.partition for tp in assigned))
@@ -160,13 +161,11 @@ class Verifier:
         m.worker_restarts.inc(max(0, restarts - self._restarts_seen))
         self._restarts_seen = max(restarts, self._restarts_seen)
 
-    def commit(self, partitions: list[int] | None = None) -> None:
+    def commit(self) -> None:
         """Commit each partition's low watermark: everything below it is published, deduplicated or dead."""
         topic = self.cfg.topics.completions.name
         offsets = {}
         for tp in self.consumer.assignment():
-            if partitions is not None and tp.partition not in partitions:
-                continue
             mark = self.assembler.watermark(tp.partition)
             if mark is not None:
                 offsets[TopicPartition(topic, tp.partition)] = mark

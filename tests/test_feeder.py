@@ -332,17 +332,27 @@ def test_state_from_another_schedule_is_refused(tmp_path: Path) -> None:
         Feeder(load_config(FeederConfig, None, [*base, "seed=1"]))  # refused before any connection
 
 
+def test_hf_source_without_the_datasets_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail like an absent package
+    cfg = load_config(FeederConfig, None, ["source=hf", f"hf.path={tmp_path}"])
+    with pytest.raises(ConfigError, match="pip install datasets"):
+        load_items(cfg, BadItems(FeederMetrics()))
+
+
 def test_hf_source(tmp_path: Path) -> None:
-    try:
-        import datasets as hf_datasets
-    except ImportError:
-        cfg = load_config(FeederConfig, None, ["source=hf", f"hf.path={tmp_path}"])
-        with pytest.raises(ConfigError, match="pip install datasets"):
-            load_items(cfg, BadItems(FeederMetrics()))
-        return
+    import datasets as hf_datasets  # a dev dependency
+
     hf_datasets.Dataset.from_list([{"question": "q1", "answer": "1"}, {"question": "", "answer": "2"}]) \
         .save_to_disk(str(tmp_path / "ds"))
     cfg = load_config(FeederConfig, None, ["source=hf", f"hf.path={tmp_path / 'ds'}"])
     bad = BadItems(FeederMetrics())
     assert [(it.prompt, it.metadata) for it in load_items(cfg, bad)] == [("q1", {"answer": "1"})]
     assert bad.counts == {"missing_prompt": 1}
+
+
+def test_hf_source_from_a_local_data_file(tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "q1", "answer": "1"}\n{"question": "q2", "answer": "2"}\n')
+    cfg = load_config(FeederConfig, None, ["source=hf", f"hf.path={data}"])
+    items = load_items(cfg, BadItems(FeederMetrics()))
+    assert [(it.prompt, it.metadata["answer"]) for it in items] == [("q1", "1"), ("q2", "2")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -45,28 +46,20 @@ def _topics(args: argparse.Namespace) -> int:
     return 0
 
 
-def _learner(args: argparse.Namespace) -> int:
-    from learner.service import main
-
-    return main(args.config, args.overrides)
-
-
-def _producer(args: argparse.Namespace) -> int:
-    from producers.service import main
-
-    return main(args.config, args.overrides)
-
-
-def _verifier(args: argparse.Namespace) -> int:
-    from verifiers.service import main
-
-    return main(args.config, args.overrides)
+# The service roles: module with main(config, overrides), help, an example override.
+ROLES: dict[str, tuple[str, str, str]] = {
+    "learner": ("learner.service", "train on scored groups; publish weights; checkpoint", "publish_every=10"),
+    "producer": ("producers.service", "generate G completions per prompt with hot-swapped weights",
+                 "backend.kind=vllm"),
+    "verifier": ("verifiers.service", "score completions, assemble groups, publish ScoredGroups",
+                 "rewards.workers=4"),
+    "feed": ("producers.feeder", "publish a dataset's prompts to the prompts topic (resumable)", "epochs=2"),
+}
 
 
-def _feed(args: argparse.Namespace) -> int:
-    from producers.feeder import main
-
-    return main(args.config, args.overrides)
+def _role(args: argparse.Namespace) -> int:
+    module = importlib.import_module(ROLES[args.command][0])
+    return module.main(args.config, args.overrides)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -146,25 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. topics.groups.partitions=8")
     t.set_defaults(fn=_topics)
 
-    ln = sub.add_parser("learner", help="train on scored groups; publish weights; checkpoint")
-    ln.add_argument("--config", default=None, help="learner YAML (see configs/, `config explain learner`)")
-    ln.add_argument("overrides", nargs="*", help="key=value overrides, e.g. publish_every=10 loss.beta=0.1")
-    ln.set_defaults(fn=_learner)
-
-    pr = sub.add_parser("producer", help="generate G completions per prompt with hot-swapped weights")
-    pr.add_argument("--config", default=None, help="producer YAML (see configs/, `config explain producer`)")
-    pr.add_argument("overrides", nargs="*", help="key=value overrides, e.g. backend.kind=vllm group_size=8")
-    pr.set_defaults(fn=_producer)
-
-    vf = sub.add_parser("verifier", help="score completions, assemble groups, publish ScoredGroups")
-    vf.add_argument("--config", default=None, help="verifier YAML (see configs/, `config explain verifier`)")
-    vf.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rewards.workers=4")
-    vf.set_defaults(fn=_verifier)
-
-    fd = sub.add_parser("feed", help="publish a dataset's prompts to the prompts topic (resumable)")
-    fd.add_argument("--config", default=None, help="feeder YAML (see configs/feeder.yaml)")
-    fd.add_argument("overrides", nargs="*", help="key=value overrides")
-    fd.set_defaults(fn=_feed)
+    for role, (_, text, example) in ROLES.items():
+        role_parser = sub.add_parser(role, help=text)
+        role_parser.add_argument("--config", default=None, help=f"YAML (see configs/; `config explain {role}`)")
+        role_parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
+        role_parser.set_defaults(fn=_role)
 
     c = sub.add_parser("config", help="explain every config key of a role")
     c.add_argument("action", choices=["explain"])

@@ -8,7 +8,6 @@ repaired at start-up, which re-publishes the checkpoint's weights when the annou
 from __future__ import annotations
 
 import logging
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from grpo_stream.config import load_config, to_dict
 from grpo_stream.kafka_io import DeadLetters, make_consumer, make_producer
-from grpo_stream.metrics import MetricsServer
+from grpo_stream.process import serve
 from grpo_stream.weight_store import WeightPublisher, latest_announcement
 from learner import checkpoint
 from learner.config import LearnerConfig, ModelConfig
@@ -124,6 +123,9 @@ class Learner:
                  stats.metrics.get("reward_mean", 0.0), stats.metrics.get("loss", 0.0),
                  stats.metrics.get("kl", 0.0), len(pick.trained), len(pick.dropped), pick.wait_s)
 
+    def stop(self) -> None:
+        self.stopping = True
+
     def _done(self) -> bool:
         return self.stopping or (self.cfg.max_steps > 0 and self.step >= self.cfg.max_steps)
 
@@ -172,23 +174,13 @@ def main(config: str | None, overrides: list[str]) -> int:
     cfg = load_config(LearnerConfig, config, overrides)
     learner = Learner(cfg)
     (learner.out / "learner-config.yaml").write_text(_yaml(to_dict(cfg)))
-    server = MetricsServer(learner.metrics.registry, cfg.metrics,
-                           health=lambda: (not learner.stopping, {"step": learner.step})).start()
 
-    def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: finishing the current step, then checkpointing", signum)
-        learner.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
+    def run() -> None:
         learner.restore()
-        steps = learner.run()
-        log.info("learner stopped at step %d", steps)
-    finally:
-        learner.close()
-        server.stop()
-    return 0
+        log.info("learner stopped at step %d", learner.run())
+
+    return serve(learner.metrics.registry, cfg.metrics, lambda: (not learner.stopping, {"step": learner.step}),
+                 run, learner.stop, learner.close, "finishing the current step, then checkpointing")
 
 
 def _yaml(data: dict) -> str:

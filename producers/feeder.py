@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +44,7 @@ from grpo_stream.config import (
     require,
 )
 from grpo_stream.kafka_io import consumer_lag, make_admin, make_producer, partitions_of, with_retry
-from grpo_stream.metrics import MetricsServer
+from grpo_stream.process import serve
 from producers.datasets import (
     LOADERS,
     DatasetItem,
@@ -376,17 +375,5 @@ def main(config: str | None, overrides: list[str]) -> int:
     """``grpo-stream feed``: run until the epochs are exhausted (exit 0) or SIGTERM/SIGINT (state saved, exit 0)."""
     cfg = load_config(FeederConfig, config, overrides)
     feeder = Feeder(cfg)
-    server = MetricsServer(feeder.metrics.registry, cfg.metrics, health=feeder.health).start()
-
-    def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: saving progress after the broker acknowledges what was sent", signum)
-        feeder.stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        feeder.run()
-    finally:
-        feeder.close()
-        server.stop()
-    return 0
+    return serve(feeder.metrics.registry, cfg.metrics, feeder.health, feeder.run, feeder.stop, feeder.close,
+                 "saving progress after the broker acknowledges what was sent")

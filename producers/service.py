@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -26,7 +25,7 @@ from transformers import AutoTokenizer
 from grpo_stream import wire
 from grpo_stream.config import load_config
 from grpo_stream.kafka_io import DeadLetters, commit_processed, make_admin, make_consumer, make_producer
-from grpo_stream.metrics import MetricsServer
+from grpo_stream.process import serve
 from grpo_stream.weight_store import WeightFetcher, WeightFetchError
 from producers.backends import make_backend
 from producers.backends.base import Sample
@@ -216,6 +215,9 @@ class Producer:
             metadata={**t.metadata, "attempt": attempt},
             timings={"generate_s": gen_s, "published_at": time.time(), "prompt_created_at": t.created_at})
 
+    def stop(self) -> None:
+        self.stopping = True
+
     def close(self) -> None:
         for closer in (self.prompts.close, self.weights.consumer.close, self.weights.fetcher.close,
                        self.producer.close, self.admin.close, self.backend.close):
@@ -228,19 +230,10 @@ class Producer:
 def main(config: str | None, overrides: list[str]) -> int:
     cfg = load_config(ProducerConfig, config, overrides)
     producer = Producer(cfg)
-    server = MetricsServer(producer.metrics.registry, cfg.metrics,
-                           health=lambda: (not producer.stopping, {"version": producer.weights.version})).start()
 
-    def stop(signum: int, _frame: object) -> None:
-        log.info("signal %d: finishing the current batch", signum)
-        producer.stopping = True
+    def run() -> None:
+        log.info("producer %s stopped after %d batches", producer.id, producer.run())
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        batches = producer.run()
-        log.info("producer %s stopped after %d batches", producer.id, batches)
-    finally:
-        producer.close()
-        server.stop()
-    return 0
+    return serve(producer.metrics.registry, cfg.metrics,
+                 lambda: (not producer.stopping, {"version": producer.weights.version}), run, producer.stop,
+                 producer.close, "finishing the current batch")

@@ -12,7 +12,8 @@ import pytest
 from kafka import KafkaAdminClient
 
 from grpo_stream.broker import LocalBroker, free_port
-from grpo_stream.config import KafkaConfig
+from grpo_stream.config import KafkaConfig, TopicsConfig
+from grpo_stream.topics import ensure_topics
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +65,17 @@ def new_topic(admin: KafkaAdminClient) -> Callable[..., str]:
 @pytest.fixture
 def unique() -> Callable[[str], str]:
     return lambda prefix: f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> TopicsConfig:
+    """The whole topic plan under a unique prefix, created on the session broker."""
+    plan = TopicsConfig()
+    prefix = unique("plan")
+    for spec in plan.all():
+        spec.name = f"{prefix}-{spec.name}"
+    ensure_topics(admin, plan)
+    return plan
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -23,7 +23,6 @@ from grpo_stream import wire
 from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
 from grpo_stream.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
 from grpo_stream.tiny_model import build_tiny_model
-from grpo_stream.topics import ensure_topics
 from grpo_stream.weight_store import WeightPublisher
 from producers.config import ProducerConfig
 from producers.service import Producer
@@ -34,16 +33,6 @@ G = 2
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture
-def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> TopicsConfig:
-    plan = TopicsConfig()
-    prefix = unique("prod")
-    for spec in plan.all():
-        spec.name = f"{prefix}-{spec.name}"
-    ensure_topics(admin, plan)
-    return plan
 
 
 def _cfg(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path, *extra: str) -> ProducerConfig:

@@ -22,22 +22,11 @@ from kafka import KafkaAdminClient
 from grpo_stream import wire
 from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
 from grpo_stream.kafka_io import make_consumer, make_producer
-from grpo_stream.topics import ensure_topics
 from learner.advantages import group_stats
 from verifiers.config import VerifierConfig
 from verifiers.service import Verifier
 
 G = 4
-
-
-@pytest.fixture
-def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> TopicsConfig:
-    plan = TopicsConfig()
-    prefix = unique("ver")
-    for spec in plan.all():
-        spec.name = f"{prefix}-{spec.name}"
-    ensure_topics(admin, plan)
-    return plan
 
 
 def _cfg_dict(kafka_cfg: KafkaConfig, plan: TopicsConfig, **extra: object) -> dict:

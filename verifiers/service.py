@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import time
 
@@ -19,7 +18,7 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from grpo_stream import wire
 from grpo_stream.config import load_config
 from grpo_stream.kafka_io import DeadLetters, commit_processed, make_consumer, make_producer
-from grpo_stream.metrics import MetricsServer
+from grpo_stream.process import serve
 from learner.advantages import group_stats
 from verifiers.assembly import Assembler, Ready
 from verifiers.config import VerifierConfig
@@ -181,6 +180,9 @@ class Verifier:
             ends = self.consumer.end_offsets(assigned)
             self.metrics.lag.set(sum(max(0, end - self.consumer.position(tp)) for tp, end in ends.items()))
 
+    def stop(self) -> None:
+        self.stopping = True
+
     def close(self) -> None:
         for closer in (self.consumer.close, self.producer.close, self.pool.close):
             try:
@@ -192,17 +194,6 @@ class Verifier:
 def main(config: str | None, overrides: list[str]) -> int:
     cfg = load_config(VerifierConfig, config, overrides)
     verifier = Verifier(cfg)
-    server = MetricsServer(verifier.metrics.registry, cfg.metrics,
-                           health=lambda: (not verifier.stopping, {"pending": len(verifier.assembler.pending)})).start()
-
-    def stop(signum: int, _frame: object) -> None:
-        verifier.stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        verifier.run()
-    finally:
-        verifier.close()
-        server.stop()
-    return 0
+    return serve(verifier.metrics.registry, cfg.metrics,
+                 lambda: (not verifier.stopping, {"pending": len(verifier.assembler.pending)}), verifier.run,
+                 verifier.stop, verifier.close, "publishing what is complete, then stopping")

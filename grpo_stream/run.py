@@ -84,7 +84,21 @@ def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
         except ConfigError as exc:
             raise ConfigError(f"{role}: {exc}") from None
         resolved[role] = merged
+    _check_knobs(resolved)
     return resolved
+
+
+def _check_knobs(resolved: dict[str, dict[str, Any]]) -> None:
+    """Cross-role settings that would deadlock the run: a backlog limit below one learner batch means the
+    producers pause before the learner has enough groups to take its first step."""
+    from learner.config import LearnerConfig
+    from producers.config import ProducerConfig
+
+    backlog = build(ProducerConfig, resolved["producer"], "").max_backlog_groups
+    batch = build(LearnerConfig, resolved["learner"], "").groups_per_batch
+    require(backlog == 0 or backlog >= batch,
+            f"producers.config.max_backlog_groups ({backlog}) must be 0 or >= learner.groups_per_batch ({batch}): "
+            "below one batch the producers pause before the learner can take a step")
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,8 @@ class ProducerConfig:
     learner_group: str = opt("learner", "The learner's consumer group on groups (its lag is the backlog).")
     verifier_group: str = opt("verifiers", "The verifiers' group on completions (unscored work in flight).")
     max_backlog_groups: int = opt(
-        0, "Pause while groups not yet consumed by the learner (+ unscored ones) reach this. 0: no limit. Live.")
+        0, "Pause while groups not yet consumed by the learner (+ unscored ones) reach this. 0: no limit. Live. "
+        "Keep it >= the learner's groups_per_batch, or the learner never gets a full batch.")
     max_version_lag: int = opt(
         -1, "Block while the newest announced version is ahead of ours by more than this. -1: off. Live.")
     control_file: str = opt(

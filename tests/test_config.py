@@ -62,6 +62,12 @@ def test_every_shipped_config_parses(name: str) -> None:
     assert cfg is not None
 
 
+def test_run_config_refuses_a_backlog_below_one_batch() -> None:
+    cfg = load_config(RunConfig, REPO / "configs/demo.yaml", ["producers.config.max_backlog_groups=4"])
+    with pytest.raises(ConfigError, match="max_backlog_groups .4. must be 0 or >= learner.groups_per_batch .16."):
+        role_configs(cfg, "127.0.0.1:9092")
+
+
 def test_paper_grid_knobs() -> None:
     """The §5.1 grid differs exactly in v, i and zero-variance masking; §5.2 in v."""
     grid = {p.stem: load_config(RunConfig, p).learner for p in (REPO / "configs/paper").glob("*.yaml")}

@@ -16,8 +16,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -559,3 +561,71 @@ def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
         proc.wait(timeout=30)
         for s in servers:
             s.stop()
+
+
+@pytest.mark.slow
+def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
+    """A short `grpo-stream run` (every role its own process, metrics on fixed ports) scraped by the real
+    Prometheus: every name the rules and dashboards use is exported by the running services. Bad records are
+    injected so the dead-letter and reward-error series exist, as they would in production."""
+    import numpy as np
+
+    from grpo_stream import wire
+    from grpo_stream.config import KafkaConfig
+    from grpo_stream.kafka_io import make_producer
+    from grpo_stream.tiny_model import build_tiny_model
+
+    prometheus = need("prometheus")
+    model = build_tiny_model(tmp_path / "model")
+    out = tmp_path / "run"
+    ports = {role: free_port() for role in ("learner", "producer", "verifier", "feeder")}
+    cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(ROOT / "configs/demo.yaml"), "name=scrape",
+           f"out_dir={out}", "max_minutes=4", "producers.count=1", "producers.config.max_backlog_groups=16",
+           f"learner.model.path={model}", f"producers.config.backend.model={model}",
+           f"learner.weights.root={out / 'weights'}", f"producers.config.weights.root={out / 'weights'}",
+           f"learner.metrics.port={ports['learner']}", f"producers.config.metrics.port={ports['producer']}",
+           f"verifiers.config.metrics.port={ports['verifier']}", f"feeder.metrics.port={ports['feeder']}"]
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "grpo", "static_configs": [
+            {"targets": [f"127.0.0.1:{p}" for p in ports.values()]}]}]}))
+    prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "configs/learner.yaml").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        learner_cfg = yaml.safe_load((out / "configs/learner.yaml").read_text())
+        kafka, topics = KafkaConfig(bootstrap=learner_cfg["kafka"]["bootstrap"]), learner_cfg["topics"]
+        producer = make_producer(kafka, "test")
+        for topic in ("prompts", "completions", "groups"):
+            producer.send(topics[topic]["name"], value=b"\x00 garbage for the dlq")
+        rng = np.random.default_rng(0)
+        for i in range(16):  # a whole group of empty completions: reward errors ("empty"), not a crash
+            producer.send(topics["completions"]["name"], key=b"empty@e0r0", value=wire.encode(wire.Completion(
+                group_id="empty@e0r0", index=i, group_size=16, prompt_id="empty", task="exact",
+                prompt_token_ids=rng.integers(0, 200, 4, dtype=np.int32),
+                completion_token_ids=np.zeros(0, dtype=np.int32), behaviour_logprobs=np.zeros(0, dtype=np.float32),
+                policy_version=0, producer_id="test", finish_reason="stop", completion="",
+                metadata={"answer": "1"})))
+        producer.flush()
+        producer.close()
+        want = set().union(*used_metrics().values())
+        names: set[str] = set()
+        while time.monotonic() < deadline + 120 and not want <= names:
+            time.sleep(2)
+            assert run.poll() is None, "the pipeline stopped early"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/label/__name__/values", timeout=5) as r:
+                    names = set(json.load(r)["data"])
+            except OSError:
+                continue
+        assert want <= names, f"not exported by the running pipeline: {sorted(want - names)}"
+    finally:
+        run.send_signal(signal.SIGTERM)
+        run.wait(timeout=120)
+        prom.terminate()
+        prom.wait(timeout=30)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 from kafka.structs import OffsetAndMetadata
 
 from grpo_stream import wire
@@ -102,9 +102,21 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
     } | overrides
     consumer = with_retry(lambda: KafkaConsumer(**settings), f"{role}: connect consumer")
     topics = list(topics)
+    for topic in topics:
+        # Subscribe only once the partitions are known: a group leader that assigns before its metadata has a
+        # just-created topic hands out nothing, and the group can then sit with an empty assignment.
+        with_retry(lambda t=topic: _require_partitions(consumer, t), f"{role}: metadata of {topic}")
     if topics:
         consumer.subscribe(topics)
     return consumer
+
+
+def _require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
+    found = consumer.partitions_for_topic(topic)
+    if not found:
+        raise UnknownTopicOrPartitionError(
+            f"topic {topic} has no known partitions (create it: grpo-stream topics create)")
+    return found
 
 
 def make_admin(cfg: KafkaConfig, role: str = "admin") -> KafkaAdminClient:

@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="a tiny model learning through the whole pipeline on this CPU (no arguments)")
     d.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="producers' generation backend")
-    d.add_argument("--minutes", type=float, default=15.0, help="time budget, warm start and evals included")
+    d.add_argument("--minutes", type=float, default=8.0,
+                   help="time budget (at most 15), warm start and evals included; it has converged in ~3 here")
     d.add_argument("--seed", type=int, default=0, help="model, data and sampling seed")
     d.add_argument("--out", default=None, help="run directory (default runs/demo-seed<SEED>)")
     d.set_defaults(fn=_demo)

@@ -80,7 +80,7 @@ def prepare_model(seed: int, task: str) -> Path:
     return warm_start(base, task, seed=seed, out_dir=root / f"warm-{task.replace(',', '+')}", answers="prompt_digit")
 
 
-def run_demo(backend: str = "hf", minutes: float = 15.0, seed: int = 0, out: str | None = None,
+def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
              task: str = "last_digit", config: str | Path | None = None,
              overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     from grpo_stream.demo_model import task_items
@@ -127,7 +127,7 @@ def _final_model(out: Path) -> Path | None:
     return ckpt.model_dir if ckpt else None
 
 
-def main(backend: str = "hf", minutes: float = 15.0, seed: int = 0, out: str | None = None) -> int:
+def main(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None) -> int:
     summary = run_demo(backend, minutes, seed, out)
     print(json.dumps(summary, indent=2))
     print(f"[demo] held-out reward {summary['initial_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "

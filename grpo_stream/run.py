@@ -169,7 +169,7 @@ class Supervisor:
         data = {c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children}
         (self.cfg.out / "children.json").write_text(json.dumps(data, indent=1))
 
-    def watch(self, deadline: float | None, on_tick: Any = None) -> None:
+    def watch(self, deadline: float | None, on_tick: Callable[[], None] | None = None) -> None:
         """Until the learner finishes, the deadline passes or a stop is requested: restart crashed children."""
         while not self.stopping:
             if deadline is not None and time.monotonic() > deadline:
@@ -346,7 +346,12 @@ def execute(cfg: RunConfig, tty: bool | None = None,
         if "feeder" in paths:
             sup.spawn("feeder", 0, paths["feeder"])
         deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
-        sup.watch(deadline, lambda: (progress.tick(), on_tick() if on_tick else None))
+        def tick() -> None:
+            progress.tick()
+            if on_tick is not None:
+                on_tick()
+
+        sup.watch(deadline, tick)
     finally:
         sup.stop_all()
         progress.tick()

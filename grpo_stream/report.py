@@ -6,23 +6,9 @@ the staleness histogram of trained groups (from the lineage), and learner throug
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from learner.lineage import read_lines
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for raw in path.read_text().splitlines():
-        try:
-            out.append(json.loads(raw))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -32,8 +18,8 @@ def write_report(run_dir: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     run = Path(run_dir)
-    metrics = _jsonl(run / "metrics.jsonl")
-    evals = _jsonl(run / "eval.jsonl")
+    metrics = list(read_lines(run / "metrics.jsonl"))
+    evals = list(read_lines(run / "eval.jsonl"))
     staleness = [e["staleness"] for line in read_lines(run / "lineage.jsonl") for e in line["trained"]]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]

@@ -243,15 +243,10 @@ def write_configs(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> dict[s
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    lines = []
-    for raw in path.read_text().splitlines():
-        try:
-            lines.append(json.loads(raw))
-        except json.JSONDecodeError:
-            continue  # a line being written right now
-    return lines
+    """The learner's metrics.jsonl so far (a line being written right now is skipped)."""
+    from learner.lineage import read_lines
+
+    return list(read_lines(path))
 
 
 def summarize(cfg: RunConfig, wall_s: float, supervisor: Supervisor, extra: dict[str, Any]) -> dict[str, Any]:

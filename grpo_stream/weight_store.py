@@ -61,6 +61,7 @@ from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
 from grpo_stream import wire
 from grpo_stream.config import KafkaConfig, TopicsConfig, TopicSpec, opt, require
+from grpo_stream.fsutil import fsync_dir
 from grpo_stream.kafka_io import make_consumer, make_producer
 
 log = logging.getLogger(__name__)
@@ -168,13 +169,6 @@ def _write_all(dst: BinaryIO, data: memoryview | bytes) -> None:
         view = view[written:]
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/creation in ``path`` durable (the entry itself lives in the directory)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: Path) -> None:
@@ -290,11 +284,11 @@ class WeightPublisher:
                     os.fsync(fout.fileno())
                 if name == MODEL_FILE:
                     digest, size = hasher.hexdigest(), n
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # re-publishing a version (learner restarted from a checkpoint): replace it
                 _remove_tree(final)
             os.rename(tmp, final)
-            _fsync_dir(run_dir)
+            fsync_dir(run_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo_stream.fsutil import fsync_dir
+
 LATEST = "latest"
 
 
@@ -107,7 +109,7 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -116,12 +118,6 @@ def _fsync_tree(path: Path) -> None:
             with p.open("rb") as f:
                 os.fsync(f.fileno())
     for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -89,7 +89,7 @@ def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProduce
 
 
 def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Iterable[str] = (),
-                  **overrides: Any) -> KafkaConsumer:
+                  listener: Any = None, **overrides: Any) -> KafkaConsumer:
     """Manual commits only (see :func:`commit_processed`); new groups start from the earliest record."""
     settings = client_settings(cfg, role) | {
         "group_id": group_id,
@@ -107,7 +107,7 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
         # just-created topic hands out nothing, and the group can then sit with an empty assignment.
         with_retry(lambda t=topic: _require_partitions(consumer, t), f"{role}: metadata of {topic}")
     if topics:
-        consumer.subscribe(topics)
+        consumer.subscribe(topics, listener=listener)
     return consumer
 
 

@@ -29,18 +29,27 @@ log = logging.getLogger("verifier")
 
 
 class _Rebalance(ConsumerRebalanceListener):
+    """Forgets the pending groups of partitions this verifier lost in a rebalance.
+
+    No commit here: kafka-python 3 runs listeners on its IO thread, where a blocking commit is refused. Every
+    loop iteration already committed what is done, so the next owner re-reads at most the last iteration's
+    records (rebuilt groups, deduplicated downstream). Partitions that come straight back keep their pending
+    groups: whether or not the client rewinds them to the committed offset, re-read members are duplicates.
+    """
+
     def __init__(self, verifier: Verifier) -> None:
         self.verifier = verifier
+        self.revoked: set[int] = set()
 
     def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
-        # No commit here: kafka-python 3 runs this on its IO thread, where a blocking commit is refused. Every
-        # loop iteration already committed what is done, so the next owner re-reads at most the last
-        # iteration's records (rebuilt groups, deduplicated downstream), and nothing is lost.
-        for tp in revoked:
-            self.verifier.assembler.forget_partition(tp.partition)
+        self.revoked |= {tp.partition for tp in revoked}
 
     def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        log.info("assigned %s", sorted(tp.partition for tp in assigned))
+        kept = {tp.partition for tp in assigned}
+        for partition in self.revoked - kept:
+            self.verifier.assembler.forget_partition(partition)
+        self.revoked = set()
+        log.info("assigned %s", sorted(kept))
 
 
 class Verifier:
@@ -53,10 +62,9 @@ class Verifier:
         self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "verifier",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
         self.assembler = Assembler()
-        self.consumer = make_consumer(cfg.kafka, "verifier", cfg.consumer_group,
-                                      session_timeout_ms=cfg.session_timeout_ms,
+        self.consumer = make_consumer(cfg.kafka, "verifier", cfg.consumer_group, [cfg.topics.completions.name],
+                                      listener=_Rebalance(self), session_timeout_ms=cfg.session_timeout_ms,
                                       heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
-        self.consumer.subscribe([cfg.topics.completions.name], listener=_Rebalance(self))
         self.stopping = False
         self.last_completion_at = time.monotonic()
         self._restarts_seen = 0

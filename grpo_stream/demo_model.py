@@ -17,7 +17,6 @@ on every run; ``max_seconds`` exists only as a safety cap for much slower machin
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from grpo_stream.fsutil import move_into
 from grpo_stream.tiny_model import _check_no_lm_head, _quietly
 from producers.datasets import SyntheticConfig, load_synthetic
 
@@ -173,14 +173,9 @@ def _save(model: PreTrainedModel, tok: AutoTokenizer, src: Path, out: Path, reco
             _check_no_lm_head(tmp / "model.safetensors")  # vLLM's in-place reload needs this (tiny_model.py)
         tok.save_pretrained(tmp)
         (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        out.mkdir(exist_ok=True)
-        (out / WARM_START_FILE).unlink(missing_ok=True)
         if out.resolve() == src.resolve():
             (out / "build.json").unlink(missing_ok=True)
-        for f in sorted(tmp.iterdir()):
-            if f.name != WARM_START_FILE:
-                os.replace(f, out / f.name)
-        os.replace(tmp / WARM_START_FILE, out / WARM_START_FILE)
+        move_into(tmp, out, WARM_START_FILE)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

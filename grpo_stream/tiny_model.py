@@ -21,7 +21,6 @@ Builds are cached: ``build.json`` records the parameters and is written last, so
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from grpo_stream.fsutil import move_into
 
 EOS_TOKEN = "<|endoftext|>"
 # transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (copied: that module is not a stable API)
@@ -171,12 +172,7 @@ def build_tiny_model(out_dir: str | Path, preset: str = "tiny", **overrides: Any
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
     try:
         _build_into(tmp, params)
-        out.mkdir(exist_ok=True)
-        (out / BUILD_FILE).unlink(missing_ok=True)
-        for f in sorted(tmp.iterdir()):
-            if f.name != BUILD_FILE:
-                os.replace(f, out / f.name)
-        os.replace(tmp / BUILD_FILE, out / BUILD_FILE)
+        move_into(tmp, out, BUILD_FILE)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

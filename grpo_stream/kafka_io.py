@@ -108,7 +108,18 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
         with_retry(lambda t=topic: _require_partitions(consumer, t), f"{role}: metadata of {topic}")
     if topics:
         consumer.subscribe(topics, listener=listener)
+        # One metadata refresh *after* subscribing, before the first join. kafka-python 3.0 snapshots the
+        # subscribed topics' partitions only on a metadata update; without this the first assignment is made
+        # against an empty snapshot, the next update triggers a second join, and a poll() timing out during
+        # that second join leaves the member wedged for good (no fetches, no heartbeats, silently expelled).
+        with_retry(lambda: _refresh_metadata(consumer, topics), f"{role}: metadata after subscribing")
     return consumer
+
+
+def _refresh_metadata(consumer: KafkaConsumer, topics: list[str]) -> None:
+    missing = set(topics) - consumer.topics()  # topics() always asks the broker
+    if missing:
+        raise UnknownTopicOrPartitionError(f"topics {sorted(missing)} vanished while subscribing")
 
 
 def _require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 
 from grpo_stream import wire
 from grpo_stream.bench.wire import make_completion
@@ -219,3 +219,42 @@ def test_security_settings_pass_through_without_leaking_secrets(monkeypatch: pyt
                                                                                         "SCRAM-SHA-512", "rl")
     assert s["sasl_plain_password"] == "s3cret" and s["ssl_cafile"] == "/etc/ca.pem"
     assert "s3cret" not in repr(redacted(s)) and "s3cret" not in repr(cfg)
+
+
+class _CountAssignments(ConsumerRebalanceListener):
+    def __init__(self) -> None:
+        self.assigned: list[list[int]] = []
+
+    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        pass
+
+    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.assigned.append(sorted(tp.partition for tp in assigned))
+
+
+def test_a_lone_member_joins_once_and_then_consumes(kafka_cfg: KafkaConfig, new_topic: Callable,
+                                                     unique: Callable) -> None:
+    """A second, metadata-triggered rejoin right after the first one is what wedged a verifier: kafka-python 3.0
+    leaves a rejoin half done when a short poll times out during it (no fetches, no heartbeats, expelled from
+    the group without noticing). make_consumer refreshes the group's view of the topic before the first join,
+    so a lone member is assigned exactly once -- and then reads what is produced."""
+    for _ in range(3):  # a race: several fresh groups, each polled with the short timeouts the services use
+        topic = new_topic("join-once", partitions=4)
+        listener = _CountAssignments()
+        consumer = make_consumer(kafka_cfg, "test", unique("grp"), [topic], listener=listener)
+        try:
+            deadline = time.monotonic() + 30
+            while not listener.assigned and time.monotonic() < deadline:
+                consumer.poll(timeout_ms=20)
+            settle = time.monotonic() + 3
+            while time.monotonic() < settle:
+                consumer.poll(timeout_ms=20)
+            assert listener.assigned == [[0, 1, 2, 3]]
+            producer = make_producer(kafka_cfg, "test")
+            for i in range(8):
+                producer.send(topic, key=str(i).encode(), value=b"x")
+            producer.flush()
+            producer.close()
+            assert len(_poll_until(consumer, 8, timeout_s=30)) == 8
+        finally:
+            consumer.close()

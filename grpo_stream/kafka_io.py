@@ -22,10 +22,11 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 from kafka.structs import OffsetAndMetadata
 
-from grpo_stream import wire
+from grpo_stream import kafka_patches, wire
 from grpo_stream.config import KafkaConfig
 
 log = logging.getLogger(__name__)
+kafka_patches.apply()  # every client of the code base is made here: faster receives for large records
 T = TypeVar("T")
 R = TypeVar("R", bound=wire.Record)
 

@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections import deque
@@ -56,13 +57,13 @@ from typing import Any, BinaryIO, Literal
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
 from grpo_stream import wire
 from grpo_stream.config import KafkaConfig, TopicsConfig, TopicSpec, opt, require
 from grpo_stream.fsutil import fsync_dir
-from grpo_stream.kafka_io import make_consumer, make_producer
+from grpo_stream.kafka_io import make_consumer, make_producer, with_retry
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ MODEL_FILE = "model.safetensors"
 # Bytes a chunk record needs beyond its data: msgpack field names and values, record and batch headers, key.
 CHUNK_OVERHEAD_BYTES = 64 * 1024
 _IO_BYTES = 8 * MiB  # read/hash/write granularity: large enough that per-call overhead vanishes
-_STALE_S = 3600.0  # .tmp-/.trash- leftovers of a crashed process older than this are removed by the GC
+_STALE_S = 3600.0  # .tmp-/.trash-/.stream- leftovers of a crashed process older than this are removed by the GC
 _FALLBACK_LOOKBACK_S = 3600.0  # bare-topic locations: scan from published_at minus this
 _STALL_S = 60.0  # a chunk download that receives nothing for this long is retried
 _SEND_TIMEOUT_S = 120.0
@@ -106,6 +107,9 @@ class WeightStoreConfig:
                  "and topics.weight_data.max_message_bytes.")
     fetch_retries: int = opt(5, "Retries of a failed fetch (missing/corrupt file, broker error) before giving up.")
     fetch_backoff_s: float = opt(0.5, "First retry delay; doubles per retry, capped at 10 s.")
+    stream: bool = opt(
+        True, "kafka, receivers: assemble each version's chunks while the learner publishes it (a background "
+              "consumer), so a swap waits only for the last chunks after the announcement instead of a full download.")
 
     def validate(self) -> None:
         require(bool(self.root), "weights.root: must not be empty")
@@ -196,7 +200,7 @@ def _gc_versions(run_dir: Path, keep: int, protect: str) -> list[str]:
         _remove_tree(p)
     now = time.time()
     for p in run_dir.iterdir():
-        if p.name.startswith((".tmp-", ".trash-")):
+        if p.name.startswith((".tmp-", ".trash-", ".stream-")):
             try:
                 stale = now - p.lstat().st_mtime > _STALE_S
             except FileNotFoundError:
@@ -363,11 +367,14 @@ class WeightFetcher:
     files reassembled from Kafka.
     """
 
-    def __init__(self, cfg: WeightStoreConfig, kafka: KafkaConfig, cache_dir: Path | None = None) -> None:
+    def __init__(self, cfg: WeightStoreConfig, kafka: KafkaConfig, cache_dir: Path | None = None,
+                 stream: tuple[str, str] | None = None) -> None:
+        """``stream=(weight_data_topic, run)`` starts a :class:`ChunkStream` for that run's kafka-store versions."""
         cfg.validate()
         self.cfg, self.kafka = cfg, kafka
         self.cache_dir = Path(cache_dir) if cache_dir is not None else Path(cfg.root)
         self._consumer: KafkaConsumer | None = None
+        self.stream = ChunkStream(kafka, stream[0], stream[1], self.cache_dir) if stream else None
 
     def fetch(self, ann: wire.WeightsAnnouncement) -> Path:
         """Return the verified file, retrying transient failures with backoff; else raise WeightFetchError."""
@@ -438,14 +445,17 @@ class WeightFetcher:
                 return dest
             log.warning("weights: cached %s does not match the announcement; downloading again", dest)
             dest.unlink(missing_ok=True)
-        starts = self._start_offsets(ann)
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if self.stream is not None and self.stream.take(ann, dest):
+            _gc_versions(dest.parent.parent, self.cfg.keep, protect=dest.parent.name)
+            return dest
+        starts = self._start_offsets(ann)
         tmp = dest.parent.parent / f".tmp-{dest.parent.name}-{uuid.uuid4().hex[:8]}.part"
         try:
             with open(tmp, "wb", buffering=0) as out:
-                assembler = _Assembler(ann, out)
+                assembler = _Assembler(ann.run, ann.version, ann.num_chunks, out, max_bytes=ann.size_bytes)
                 self._read_chunks(ann, starts, assembler)
-            assembler.verify()
+            assembler.verify(ann)
             os.replace(tmp, dest)  # concurrent fetchers sharing the cache each replace with identical bytes
         finally:
             tmp.unlink(missing_ok=True)
@@ -514,6 +524,8 @@ class WeightFetcher:
                             return
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
@@ -523,11 +535,12 @@ class _Assembler:
     """Writes one version's chunks in index order to ``out``, hashing as it goes (no second pass).
 
     A chunk 0 after progress restarts the assembly (an earlier, abandoned publication of the same version seen by
-    a timestamp scan); older indices are duplicates and skipped; a jump forward means chunks are missing.
+    a timestamp scan, or a learner re-publishing after a crash); older indices are duplicates and skipped; a jump
+    forward means chunks are missing. ``max_bytes`` (the announced size, when known) caps what is written.
     """
 
-    def __init__(self, ann: wire.WeightsAnnouncement, out: BinaryIO) -> None:
-        self.ann, self.out = ann, out
+    def __init__(self, run: str, version: int, num_chunks: int, out: BinaryIO, max_bytes: int | None = None) -> None:
+        self.run, self.version, self.num_chunks, self.out, self.max_bytes = run, version, num_chunks, out, max_bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -537,19 +550,17 @@ class _Assembler:
 
     @property
     def complete(self) -> bool:
-        return self.next_index == self.ann.num_chunks
+        return self.next_index == self.num_chunks
 
     def add(self, msg: ConsumerRecord) -> None:
-        ann, where = self.ann, f"{msg.topic}[{msg.partition}]@{msg.offset}"
-        try:
-            chunk = wire.decode(msg.value, wire.WeightChunk)
-        except wire.WireError as exc:
-            raise WeightFetchError(f"undecodable chunk at {where}: {exc}") from None
-        if (chunk.run, chunk.version) != (ann.run, ann.version):
+        self.add_chunk(decode_chunk(msg), f"{msg.topic}[{msg.partition}]@{msg.offset}")
+
+    def add_chunk(self, chunk: wire.WeightChunk, where: str) -> None:
+        if (chunk.run, chunk.version) != (self.run, self.version):
             raise WeightFetchError(f"chunk at {where} is {chunk.run!r} v{chunk.version}, keyed as this version")
-        if chunk.num_chunks != ann.num_chunks:
-            log.warning("weights: skipping chunk at %s: part of a %d-chunk publication, announced %d", where,
-                        chunk.num_chunks, ann.num_chunks)
+        if chunk.num_chunks != self.num_chunks:
+            log.warning("weights: skipping chunk at %s: part of a %d-chunk publication, expected %d", where,
+                        chunk.num_chunks, self.num_chunks)
             return
         if chunk.index == 0 and self.next_index > 0:
             self._reset()
@@ -558,20 +569,187 @@ class _Assembler:
         if chunk.index > self.next_index:
             raise WeightFetchError(f"chunk {chunk.index} at {where} follows chunk {self.next_index - 1}: "
                                    f"chunks {self.next_index}..{chunk.index - 1} are missing")
-        if self.size + len(chunk.data) > ann.size_bytes:
-            raise WeightFetchError(f"chunks add up to more than the announced {ann.size_bytes} bytes")
+        if self.max_bytes is not None and self.size + len(chunk.data) > self.max_bytes:
+            raise WeightFetchError(f"chunks add up to more than the announced {self.max_bytes} bytes")
         _write_all(self.out, chunk.data)
         self.hasher.update(chunk.data)
         self.size += len(chunk.data)
         self.next_index += 1
 
-    def verify(self) -> None:
+    def verify(self, ann: wire.WeightsAnnouncement) -> None:
         """Kafka records are immutable and CRC-checked: a mismatch here will not heal by retrying."""
-        if self.size != self.ann.size_bytes:
-            raise WeightFetchError(f"size mismatch: reassembled {self.size} bytes, announced {self.ann.size_bytes}")
+        if self.size != ann.size_bytes:
+            raise WeightFetchError(f"size mismatch: reassembled {self.size} bytes, announced {ann.size_bytes}")
         digest = self.hasher.hexdigest()
-        if digest != self.ann.sha256:
-            raise WeightFetchError(f"sha256 mismatch: reassembled file hashes to {digest}, announced {self.ann.sha256}")
+        if digest != ann.sha256:
+            raise WeightFetchError(f"sha256 mismatch: reassembled file hashes to {digest}, announced {ann.sha256}")
+
+
+def decode_chunk(msg: ConsumerRecord) -> wire.WeightChunk:
+    try:
+        return wire.decode(msg.value, wire.WeightChunk)
+    except wire.WireError as exc:
+        raise WeightFetchError(f"undecodable chunk at {msg.topic}[{msg.partition}]@{msg.offset}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+
+@dataclass
+class _Streamed:
+    """A version the stream has assembled (or is assembling): where chunk 0 was, the file, what it hashes to."""
+
+    version: int
+    partition: int
+    first_offset: int
+    path: Path
+    size: int = 0
+    sha256: str = ""
+
+
+class ChunkStream:
+    """Assembles a run's kafka-store versions *while the learner publishes them*, on a background thread.
+
+    Without it a producer starts reading a version's chunks when the announcement arrives, i.e. after the whole
+    upload, and the swap takes as long as a full download. The stream tails the weight-data topic from the
+    moment it starts; when an announcement arrives, :meth:`take` only waits for the last chunks and checks the
+    size and sha256 the stream computed while writing. It keeps one version in progress (a newer chunk 0
+    abandons an older partial) and one finished version; anything it cannot vouch for (a version whose chunk 0
+    came before the stream started, a stall, a mismatch, a broken stream) makes :meth:`take` return False and
+    the fetcher downloads the version itself. Costs: one consumer thread and a copy of every version on disk.
+    """
+
+    def __init__(self, kafka: KafkaConfig, topic: str, run: str, cache_dir: Path) -> None:
+        self.run, self.prefix, self.dir = check_run_name(run), f"{run}/".encode(), Path(cache_dir) / run
+        fetch_bytes = max(kafka.max_record_bytes, 48 * MiB)
+        self.consumer = make_consumer(kafka, "weights-stream", None, max_partition_fetch_bytes=fetch_bytes,
+                                      fetch_max_bytes=fetch_bytes)
+        parts = with_retry(lambda: _partitions(self.consumer, topic), f"weights stream: metadata of {topic}")
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        self.consumer.assign(tps)
+        self.consumer.seek_to_end(*tps)
+        self.start = {tp.partition: self.consumer.position(tp) for tp in tps}  # everything from here is seen
+        self.positions = dict(self.start)
+        self.current: tuple[_Streamed, _Assembler, BinaryIO] | None = None
+        self.done: _Streamed | None = None
+        self.hits, self.failed, self._stop = 0, "", False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="weights-stream", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                for tp, msgs in self.consumer.poll(timeout_ms=200).items():
+                    for msg in msgs:
+                        if msg.key is not None and msg.key.startswith(self.prefix):
+                            self._feed(msg)
+                    with self.cond:
+                        self.positions[tp.partition] = msgs[-1].offset + 1
+                        self.cond.notify_all()
+        except Exception as exc:  # the fetcher falls back to downloading; a broken stream must not stop a producer
+            log.warning("weights stream stopped (fetches download whole versions from now on): %s", exc)
+            with self.cond:
+                self.failed = f"{type(exc).__name__}: {exc}"
+                self.cond.notify_all()
+
+    def _feed(self, msg: ConsumerRecord) -> None:
+        try:
+            version = int(msg.key[len(self.prefix):])
+        except ValueError:
+            return
+        where = f"{msg.topic}[{msg.partition}]@{msg.offset}"
+        current = self.current
+        if current is not None and version < current[0].version:
+            return
+        try:
+            chunk = decode_chunk(msg)
+            if current is None or version > current[0].version or chunk.index == 0:  # chunk 0: (re)start
+                if chunk.index != 0:
+                    return  # joined in the middle of this publication: the fetcher downloads it
+                current = self._begin(version, msg, chunk.num_chunks)
+            streamed, assembler, out = current
+            assembler.add_chunk(chunk, where)
+        except WeightFetchError as exc:
+            log.warning("weights stream: dropping v%d: %s", version, exc)
+            self._abandon()
+            return
+        if assembler.complete:
+            out.close()
+            streamed.size, streamed.sha256 = assembler.size, assembler.hasher.hexdigest()
+            with self.cond:
+                if self.done is not None:
+                    self.done.path.unlink(missing_ok=True)
+                self.done, self.current = streamed, None
+                self.cond.notify_all()
+
+    def _begin(self, version: int, msg: ConsumerRecord, num_chunks: int) -> tuple[_Streamed, _Assembler, BinaryIO]:
+        self._abandon()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f".stream-{version_dir_name(version)}-{uuid.uuid4().hex[:8]}.part"
+        out = open(path, "wb", buffering=0)  # noqa: SIM115 -- closed when complete or abandoned
+        streamed = _Streamed(version, msg.partition, msg.offset, path)
+        self.current = (streamed, _Assembler(self.run, version, num_chunks, out), out)
+        return self.current
+
+    def _abandon(self) -> None:
+        if self.current is not None:
+            self.current[2].close()
+            self.current[0].path.unlink(missing_ok=True)
+            self.current = None
+
+    def take(self, ann: wire.WeightsAnnouncement, dest: Path) -> bool:
+        """Move the announced version to ``dest`` if the stream assembled exactly it; False: download it."""
+        try:
+            _, partition, offset = _parse_kafka_location(ann.location)
+        except ValueError:
+            return False
+        if partition is None or offset is None or offset < self.start.get(partition, offset + 1):
+            return False
+        found = self._wait_for(ann.version, partition, offset)
+        if found is None:
+            return False
+        if (found.size, found.sha256) != (ann.size_bytes, ann.sha256):
+            log.warning("weights stream: v%d does not match its announcement; downloading it", ann.version)
+            found.path.unlink(missing_ok=True)
+            return False
+        os.replace(found.path, dest)
+        self.hits += 1
+        return True
+
+    def _wait_for(self, version: int, partition: int, offset: int) -> _Streamed | None:
+        """The finished version whose chunk 0 was at ``offset``, waiting while the stream still makes progress."""
+        with self.cond:
+            seen, stall_at = self.positions[partition], time.monotonic() + _STALL_S
+            while True:
+                done, current = self.done, self.current
+                if done is not None and (done.version, done.partition, done.first_offset) == (
+                        version, partition, offset):
+                    self.done = None
+                    return done
+                on_it = current is not None and (current[0].version, current[0].first_offset) == (version, offset)
+                if self.failed or self._stop or (self.positions[partition] > offset and not on_it):
+                    return None
+                if self.positions[partition] != seen:
+                    seen, stall_at = self.positions[partition], time.monotonic() + _STALL_S
+                elif time.monotonic() > stall_at:
+                    return None
+                self.cond.wait(0.2)
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(timeout=10)
+        self.consumer.close()
+        self._abandon()
+        if self.done is not None:
+            self.done.path.unlink(missing_ok=True)
+
+
+def _partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
+    found = consumer.partitions_for_topic(topic)
+    if not found:
+        raise UnknownTopicOrPartitionError(f"topic {topic} not found (create it: grpo-stream topics create)")
+    return found
 
 
 # ------------------------------------------------------------------------------------------ catching up

@@ -64,8 +64,10 @@ class Producer:
         self.backlog = Backlog(self.admin, cfg.topics.groups.name, cfg.learner_group, cfg.topics.completions.name,
                                cfg.verifier_group, cfg.group_size)
         self.knobs = LiveKnobs(Knobs(cfg.max_backlog_groups, cfg.max_version_lag), cfg.control_file)
+        stream = (cfg.topics.weight_data.name, cfg.run) if cfg.weights.kind == "kafka" and cfg.weights.stream else None
         self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None), cfg.topics.weights.name,
-                                        cfg.run, WeightFetcher(cfg.weights, cfg.kafka), cfg.initial_version)
+                                        cfg.run, WeightFetcher(cfg.weights, cfg.kafka, stream=stream),
+                                        cfg.initial_version)
         self.metrics.version.set(cfg.initial_version)
         self.stopping = False
         self.batches = 0

@@ -173,6 +173,33 @@ def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: 
     assert r.producer.metrics.swap_latency._sum.get() > 0
 
 
+def test_hot_swap_from_the_kafka_store_uses_the_streamed_copy(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                               plan: TopicsConfig, tmp_path: Path,
+                                                               running: Callable) -> None:
+    """No shared volume: the weights travel as chunks on the weight-data topic. The producer's stream assembles
+    them while they are published, so the swap after the announcement does not download them again."""
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "weights.kind=kafka", "weights.chunk_bytes=262144")
+    r = running(cfg)
+    feed(kafka_cfg, plan, 2, start=0)
+    wait_for(lambda: r.producer.batches >= 1, what="a batch with the initial weights")
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
+    (tmp_path / "w").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan, cfg.run)
+    ann = publisher.publish(2, {"model.safetensors": tmp_path / "w" / "model.safetensors"})
+    assert ann.store == "kafka" and ann.num_chunks > 1
+    publisher.announce(ann)
+    publisher.close()
+    wait_for(lambda: r.producer.weights.version == 2, what="the swap")
+    feed(kafka_cfg, plan, 2, start=100)
+    wait_for(lambda: r.producer.batches >= 2, what="a batch with the new weights")
+    stream = r.producer.weights.fetcher.stream
+    assert stream is not None and stream.hits == 1
+    versions = {c.group_id: c.policy_version for c in completions(kafka_cfg, plan.completions.name)}
+    assert {versions[f"q{i}@e0r0"] for i in (100, 101)} == {2}
+
+
 def test_bad_prompts_go_to_the_dlq(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path,
                                    running: Callable) -> None:
     long_prompt = wire.encode(wire.PromptTask(prompt_id="long", prompt="9" * 2000, task="exact"))

@@ -3,6 +3,7 @@ compacted announcements topic. The fs tests need no broker; the kafka ones use t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -246,6 +247,40 @@ def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfi
         anns["A"].location = topic
         assert bare.fetch(anns["A"]).read_bytes() == a2
         bare.close()
+    finally:
+        pub.close()
+        producer.close()
+        fetcher.close()
+
+
+def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+                                                                  tmp_path: Path) -> None:
+    chunk, topic = MiB, topics.weight_data.name
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=chunk, fetch_retries=0)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "s")
+    early = _blob(tmp_path / "v1", 3 * MiB + 5, seed=11)
+    ann1 = pub.publish(1, {MODEL_FILE: tmp_path / "v1"})  # before the stream starts: downloaded on demand
+    producer = make_producer(kafka_cfg, "test", compression_type=None)
+    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topic, "s"))
+    assert fetcher.stream is not None
+    try:
+        assert fetcher.fetch(ann1).read_bytes() == early and fetcher.stream.hits == 0
+        data = _blob(tmp_path / "v2", 6 * MiB + 17, seed=12)
+        for i in range(2):  # an abandoned attempt at v2 and another run's chunks, interleaved
+            _send_chunk(producer, topic, "s", 2, np.random.default_rng(i).bytes(6 * MiB), chunk, i)
+            _send_chunk(producer, topic, "s2", 2, np.random.default_rng(i).bytes(2 * MiB), chunk, i)
+        producer.flush()
+        ann2 = pub.publish(2, {MODEL_FILE: tmp_path / "v2"})
+        path = fetcher.fetch(ann2)
+        assert path == tmp_path / "cache" / "s" / "v00000002" / MODEL_FILE
+        assert path.read_bytes() == data and fetcher.stream.hits == 1
+        _blob(tmp_path / "v3", 2 * MiB, seed=13)
+        ann3 = pub.publish(3, {MODEL_FILE: tmp_path / "v3"})
+        lie = dataclasses.replace(ann3, sha256="0" * 64)
+        with pytest.raises(WeightFetchError, match="sha256 mismatch"):  # the stream's copy is not trusted either
+            fetcher.fetch(lie)
+        assert fetcher.stream.hits == 1
+        assert sorted(p.name for p in (tmp_path / "cache" / "s").iterdir() if p.name.startswith(".")) == []
     finally:
         pub.close()
         producer.close()

@@ -110,13 +110,18 @@ def fresh_topics(kafka: KafkaConfig) -> TopicsConfig:
     return topics
 
 
-def measure_store(kind: str, kafka: KafkaConfig, topics: TopicsConfig, files: dict[int, Path]) -> None:
-    """Publish + announce each file as the next version; a subscriber swaps to it. One line per size."""
+def measure_store(kind: str, kafka: KafkaConfig, topics: TopicsConfig, files: dict[int, Path],
+                  stream: bool = False) -> None:
+    """Publish + announce each file as the next version; a subscriber swaps to it. One line per size.
+    ``stream``: the kafka fetcher assembles chunks while they are published (``weights.stream``)."""
     root = WEIGHTS / f"{kind}-store"
     cfg = WeightStoreConfig(kind=kind, root=str(root))  # type: ignore[arg-type]
-    run = f"bench-{kind}"
+    run = f"bench-{kind}-{'stream' if stream else 'download'}"
+    label = f"{kind}{' stream' if stream else ''}"
     publisher = WeightPublisher(cfg, kafka, topics, run)
-    fetcher = WeightFetcher(cfg, kafka, cache_dir=WEIGHTS / f"{kind}-cache")
+    fetcher = WeightFetcher(cfg, kafka, cache_dir=WEIGHTS / f"{kind}-cache",
+                            stream=(topics.weight_data.name, run) if stream else None)
+    _ = publisher.producer  # connect before timing: a learner's publisher is long-lived
     subscriber = WeightSubscriber(make_consumer(kafka, "bench-weights", None), topics.weights.name, run, fetcher, 0)
     try:
         for version, (size_mb, path) in enumerate(sorted(files.items()), start=1):
@@ -131,13 +136,14 @@ def measure_store(kind: str, kafka: KafkaConfig, topics: TopicsConfig, files: di
                 swap = subscriber.maybe_swap(lambda d: None)
             done = time.time()
             if swap is None:
-                print(f"  {kind:>5} {size_mb:5d} MB: no swap within 300 s")
+                print(f"  {label:>12} {size_mb:5d} MB: no swap within 300 s")
                 continue
             latency = done - ann.published_at
             per_gb = latency / (ann.size_bytes / 1e9)
-            print(f"  {kind:>5} {size_mb:5d} MB: publish {publish_s:6.2f}s  swap latency {latency:6.2f}s "
+            print(f"  {label:>12} {size_mb:5d} MB: publish {publish_s:6.2f}s, then swap latency {latency:6.2f}s "
                   f"(fetch+verify {swap.load_s:6.2f}s) = {per_gb:5.2f} s/GB (target < {TARGET_S_PER_GB:.0f} s/GB: "
-                  f"{'OK' if per_gb < TARGET_S_PER_GB else 'ABOVE'})", flush=True)
+                  f"{'OK' if per_gb < TARGET_S_PER_GB else 'ABOVE'}); publish start -> in use "
+                  f"{publish_s + latency:6.2f}s", flush=True)
     finally:
         subscriber.consumer.close()
         fetcher.close()
@@ -156,8 +162,8 @@ def measure_swaps(bootstrap: str | None, sizes_mb: list[int]) -> None:
         with temporary_broker(bootstrap) as addr:
             kafka = KafkaConfig(bootstrap=addr)
             topics = fresh_topics(kafka)
-            for kind in ("fs", "kafka"):
-                measure_store(kind, kafka, topics, files)
+            for kind, stream in (("fs", False), ("kafka", False), ("kafka", True)):
+                measure_store(kind, kafka, topics, files, stream)
             admin = make_admin(kafka)
             try:
                 admin.delete_topics([spec.name for spec in topics.all()])

@@ -30,7 +30,9 @@ are and what their sha256 is. Two stores:
   writes, and keeps the newest ``keep`` versions there. Garbage collection on Kafka is the weight-data topic's
   ``retention.ms``: it must outlast the time a producer may need to catch up on the latest announcement (a
   learner idle for longer than the retention leaves an announcement whose chunks are gone; the fetcher then
-  reports exactly that).
+  reports exactly that). With ``stream`` on (the default for producers), a :class:`ChunkStream` tails the
+  topic and assembles each new version while the learner is still uploading it, so after the announcement a
+  swap only waits for the last chunks; whatever the stream cannot vouch for is downloaded as above.
 
 Every fetch failure surfaces as one exception type, :class:`WeightFetchError`, after the retries that make
 sense: a missing/corrupt file on a shared volume and broker errors are retried with exponential backoff

@@ -106,7 +106,7 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
     for topic in topics:
         # Subscribe only once the partitions are known: a group leader that assigns before its metadata has a
         # just-created topic hands out nothing, and the group can then sit with an empty assignment.
-        with_retry(lambda t=topic: _require_partitions(consumer, t), f"{role}: metadata of {topic}")
+        with_retry(lambda t=topic: require_partitions(consumer, t), f"{role}: metadata of {topic}")
     if topics:
         consumer.subscribe(topics, listener=listener)
         # One metadata refresh *after* subscribing, before the first join. kafka-python 3.0 snapshots the
@@ -123,7 +123,8 @@ def _refresh_metadata(consumer: KafkaConsumer, topics: list[str]) -> None:
         raise UnknownTopicOrPartitionError(f"topics {sorted(missing)} vanished while subscribing")
 
 
-def _require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
+def require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
+    """The topic's partitions as the consumer's metadata knows them; raises (retryable) if there are none."""
     found = consumer.partitions_for_topic(topic)
     if not found:
         raise UnknownTopicOrPartitionError(

@@ -59,13 +59,13 @@ from typing import Any, BinaryIO, Literal
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError, UnknownTopicOrPartitionError
+from kafka.errors import KafkaError
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
 from grpo_stream import wire
 from grpo_stream.config import KafkaConfig, TopicsConfig, TopicSpec, opt, require
 from grpo_stream.fsutil import fsync_dir
-from grpo_stream.kafka_io import make_consumer, make_producer, with_retry
+from grpo_stream.kafka_io import make_consumer, make_producer, require_partitions, with_retry
 
 log = logging.getLogger(__name__)
 
@@ -626,7 +626,7 @@ class ChunkStream:
         fetch_bytes = max(kafka.max_record_bytes, 48 * MiB)
         self.consumer = make_consumer(kafka, "weights-stream", None, max_partition_fetch_bytes=fetch_bytes,
                                       fetch_max_bytes=fetch_bytes)
-        parts = with_retry(lambda: _partitions(self.consumer, topic), f"weights stream: metadata of {topic}")
+        parts = with_retry(lambda: require_partitions(self.consumer, topic), f"weights stream: metadata of {topic}")
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         self.consumer.assign(tps)
         self.consumer.seek_to_end(*tps)
@@ -745,13 +745,6 @@ class ChunkStream:
         self._abandon()
         if self.done is not None:
             self.done.path.unlink(missing_ok=True)
-
-
-def _partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
-    found = consumer.partitions_for_topic(topic)
-    if not found:
-        raise UnknownTopicOrPartitionError(f"topic {topic} not found (create it: grpo-stream topics create)")
-    return found
 
 
 # ------------------------------------------------------------------------------------------ catching up

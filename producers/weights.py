@@ -16,7 +16,7 @@ from pathlib import Path
 from kafka import KafkaConsumer, TopicPartition
 
 from grpo_stream import wire
-from grpo_stream.kafka_io import with_retry
+from grpo_stream.kafka_io import require_partitions, with_retry
 from grpo_stream.weight_store import WeightFetcher, WeightFetchError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class WeightSubscriber:
         self.newest: wire.WeightsAnnouncement | None = None
         self.retry_after_s = retry_after_s
         self._failed_at: dict[int, float] = {}
-        parts = with_retry(lambda: _partitions(consumer, topic), f"producer: metadata of {topic}")
+        parts = with_retry(lambda: require_partitions(consumer, topic), f"producer: metadata of {topic}")
         tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)  # compacted: the latest announcement per run is always retained
@@ -82,10 +82,3 @@ class WeightSubscriber:
         self.version = ann.version
         self._failed_at.pop(ann.version, None)
         return Swap(ann.version, ann.published_at, time.perf_counter() - t0)
-
-
-def _partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
-    found = consumer.partitions_for_topic(topic)
-    if not found:
-        raise TimeoutError(f"topic {topic} not found (create it: grpo-stream topics create)")
-    return found

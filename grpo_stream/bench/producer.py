@@ -8,7 +8,9 @@
 2. Weight swap latency, announcement -> new version in use, for the ``fs`` and ``kafka`` weight stores at
    10 MB, 100 MB and 1 GB of random bytes: the learner publishes and announces; a producer's
    :class:`~producers.weights.WeightSubscriber` polls until it sees the announcement, fetches and verifies the
-   file (``load`` is a no-op here: the in-memory load is measured separately in part 1).
+   file (``load`` is a no-op here: the in-memory load is measured separately in part 1). The kafka store is
+   measured twice: downloading after the announcement, and with the fetcher's ``ChunkStream`` assembling the
+   version while it is published (``weights.stream``, the producers' default).
 
 Targets: swap latency < 1 s per GB of weights (fetch + verify; the load into the engine comes on top).
 Generation throughput has no fixed target: it is the baseline the vLLM backend must beat.

@@ -17,12 +17,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from grpo_stream import k8s
+from grpo_stream.broker import free_port
 from grpo_stream.config import MetricsConfig, load_config
 from grpo_stream.metrics import MetricsServer
 from grpo_stream.topics import broker_configs
@@ -504,10 +505,34 @@ def test_dashboards_are_provisioned() -> None:
     assert f"../grafana/dashboards:{prov['providers'][0]['options']['path']}:ro" in mounts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_prometheus(prometheus: str, tmp_path: Path, target_ports: list[int],
+                      stderr: int) -> tuple[subprocess.Popen, int]:
+    """A real Prometheus scraping ``target_ports`` every second; returns the process and its API port."""
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "grpo", "static_configs": [
+            {"targets": [f"127.0.0.1:{p}" for p in target_ports]}]}]}))
+    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=stderr)
+    return proc, port
+
+
+def _scraped_names(port: int, want: set[str], deadline: float, every_s: float,
+                   alive: Callable[[], None]) -> set[str]:
+    """The metric names Prometheus has stored, polled until all of ``want`` are there or ``deadline`` passes;
+    ``alive`` asserts that what is being scraped is still running."""
+    names: set[str] = set()
+    while time.monotonic() < deadline and not want <= names:
+        time.sleep(every_s)
+        alive()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/label/__name__/values", timeout=5) as r:
+                names = set(json.load(r)["data"])
+        except OSError:
+            continue
+    return names
 
 
 def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
@@ -532,26 +557,14 @@ def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
     verifier.reward_errors.labels(reason="timeout").inc()
     verifier.dead.labels(reason="decode").inc()
     servers = [MetricsServer(m.registry, MetricsConfig(port=0)).start() for m in (learner, producer, feeder, verifier)]
-    port = free_port()
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "grpo", "static_configs": [
-            {"targets": [f"127.0.0.1:{s.port}" for s in servers]}]}]}))
-    proc = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc, port = _start_prometheus(prometheus, tmp_path, [s.port for s in servers], subprocess.PIPE)
     try:
         want = set().union(*used_metrics().values())
-        names: set[str] = set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not want <= names:
-            time.sleep(1)
+
+        def alive() -> None:
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "prometheus exited"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/label/__name__/values", timeout=5) as r:
-                    names = set(json.load(r)["data"])
-            except OSError:
-                continue
+
+        names = _scraped_names(port, want, time.monotonic() + 60, 1.0, alive)
         assert want <= names, f"not scraped: {sorted(want - names)}"
         query = urllib.parse.quote('up{job="grpo"}')
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={query}", timeout=5) as r:
@@ -586,14 +599,7 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
            f"learner.metrics.port={ports['learner']}", f"producers.config.metrics.port={ports['producer']}",
            f"verifiers.config.metrics.port={ports['verifier']}", f"feeder.metrics.port={ports['feeder']}"]
     run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = free_port()
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "grpo", "static_configs": [
-            {"targets": [f"127.0.0.1:{p}" for p in ports.values()]}]}]}))
-    prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prom, port = _start_prometheus(prometheus, tmp_path, list(ports.values()), subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (out / "configs/learner.yaml").exists() and time.monotonic() < deadline:
@@ -614,15 +620,11 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
         producer.flush()
         producer.close()
         want = set().union(*used_metrics().values())
-        names: set[str] = set()
-        while time.monotonic() < deadline + 120 and not want <= names:
-            time.sleep(2)
+
+        def alive() -> None:
             assert run.poll() is None, "the pipeline stopped early"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/label/__name__/values", timeout=5) as r:
-                    names = set(json.load(r)["data"])
-            except OSError:
-                continue
+
+        names = _scraped_names(port, want, deadline + 120, 2.0, alive)
         assert want <= names, f"not exported by the running pipeline: {sorted(want - names)}"
     finally:
         run.send_signal(signal.SIGTERM)

@@ -1,8 +1,11 @@
 """What every service process does around its loop: serve /metrics and /health, turn SIGTERM/SIGINT into a
-graceful stop (finish the unit of work in hand, make it durable), and always close clients and the endpoint."""
+graceful stop (finish the unit of work in hand, make it durable), and always close clients and the endpoint;
+and one process-wide tuning, :func:`reuse_freed_memory`, for processes that move weights through Kafka."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import signal
 from collections.abc import Callable
@@ -32,3 +35,35 @@ def serve(registry: CollectorRegistry, metrics: MetricsConfig, health: HealthFn,
         close()
         server.stop()
     return 0
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MiB = 1 << 20
+
+
+def reuse_freed_memory(mmap_threshold: int = 64 * _MiB, trim_threshold: int = 256 * _MiB) -> bool:
+    """Have glibc serve allocations below ``mmap_threshold`` from the heap and keep up to ``trim_threshold`` of
+    freed memory for reuse, instead of mapping fresh pages for every large buffer and unmapping them on free.
+
+    Why: receiving a weight version through Kafka allocates and frees multi-MiB buffers a few hundred times per
+    GB (fetch responses, record copies, chunk payloads). Freshly mapped pages cost a page fault each; on the
+    virtual machines we measured, that made receiving 3x slower (0.9-1.1 million faults and 3 s of CPU per GB
+    with 48 MiB fetches; 100 faults and 1.2 s with this call). Cost: the process keeps up to ``trim_threshold``
+    of freed memory instead of returning it. Returns False (and changes nothing) where the C library is not
+    glibc or refuses the values.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        log.info("no glibc mallopt here: large buffers keep the C library's default allocation")
+        return False
+    done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    if not done:
+        log.warning("mallopt refused mmap_threshold=%d / trim_threshold=%d: weight fetches stay slower",
+                    mmap_threshold, trim_threshold)
+    return done

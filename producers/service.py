@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from grpo_stream import wire
 from grpo_stream.config import load_config
 from grpo_stream.kafka_io import DeadLetters, commit_processed, make_admin, make_consumer, make_producer
-from grpo_stream.process import serve
+from grpo_stream.process import reuse_freed_memory, serve
 from grpo_stream.weight_store import WeightFetcher, WeightFetchError
 from producers.backends import make_backend
 from producers.backends.base import Sample
@@ -231,6 +231,8 @@ class Producer:
 
 def main(config: str | None, overrides: list[str]) -> int:
     cfg = load_config(ProducerConfig, config, overrides)
+    if cfg.weights.kind == "kafka":
+        reuse_freed_memory()  # weight versions arrive as hundreds of multi-MiB buffers per GB
     producer = Producer(cfg)
 
     def run() -> None:

@@ -26,13 +26,14 @@ are and what their sha256 is. Two stores:
   0>"``: the fetcher seeks straight to the first chunk instead of searching the log. (A bare ``"<topic>"`` is
   also accepted: the fetcher then scans every partition from ``published_at`` minus one hour, found with
   ``offsets_for_times``.) The fetcher reassembles the chunks into its local cache
-  ``<cache_dir>/<run>/v<version:08d>/model.safetensors`` (same layout as the fs store), hashing while it
-  writes, and keeps the newest ``keep`` versions there. Garbage collection on Kafka is the weight-data topic's
-  ``retention.ms``: it must outlast the time a producer may need to catch up on the latest announcement (a
-  learner idle for longer than the retention leaves an announcement whose chunks are gone; the fetcher then
-  reports exactly that). With ``stream`` on (the default for producers), a :class:`ChunkStream` tails the
-  topic and assembles each new version while the learner is still uploading it, so after the announcement a
-  swap only waits for the last chunks; whatever the stream cannot vouch for is downloaded as above.
+  ``<cache_dir>/<run>/v<version:08d>/model.safetensors`` (same layout as the fs store), writing and hashing
+  on two threads of their own while the next chunks arrive, and keeps the newest ``keep`` versions there.
+  Garbage collection on Kafka is the weight-data topic's ``retention.ms``: it must outlast the time a producer
+  may need to catch up on the latest announcement (a learner idle for longer than the retention leaves an
+  announcement whose chunks are gone; the fetcher then reports exactly that). With ``stream`` on (the default
+  for producers), a :class:`ChunkStream` tails the topic and assembles each new version while the learner is
+  still uploading it, so after the announcement a swap only waits for the last chunks; whatever the stream
+  cannot vouch for is downloaded as above.
 
 Every fetch failure surfaces as one exception type, :class:`WeightFetchError`, after the retries that make
 sense: a missing/corrupt file on a shared volume and broker errors are retried with exponential backoff
@@ -46,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import re
 import shutil
 import threading
@@ -55,7 +57,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, cast
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -454,10 +456,10 @@ class WeightFetcher:
         starts = self._start_offsets(ann)
         tmp = dest.parent.parent / f".tmp-{dest.parent.name}-{uuid.uuid4().hex[:8]}.part"
         try:
-            with open(tmp, "wb", buffering=0) as out:
-                assembler = _Assembler(ann.run, ann.version, ann.num_chunks, out, max_bytes=ann.size_bytes)
+            with (open(tmp, "wb", buffering=0) as out,
+                  _Assembler(ann.run, ann.version, ann.num_chunks, out, max_bytes=ann.size_bytes) as assembler):
                 self._read_chunks(ann, starts, assembler)
-            assembler.verify(ann)
+                assembler.verify(ann)
             os.replace(tmp, dest)  # concurrent fetchers sharing the cache each replace with identical bytes
         finally:
             tmp.unlink(missing_ok=True)
@@ -533,22 +535,82 @@ class WeightFetcher:
             self._consumer = None
 
 
+class _ChunkWriter:
+    """Writes chunks to ``out`` and hashes them, in order, on two threads of its own: the disk write and the
+    sha256 (both release the GIL) of earlier chunks overlap each other and the receive and decode of the next
+    chunk. At most ``depth`` chunks wait in memory per thread."""
+
+    def __init__(self, out: BinaryIO, depth: int = 4) -> None:
+        self.out, self.hasher, self.error = out, hashlib.sha256(), cast(OSError | None, None)
+        self._queues: list[queue.Queue[bytes | None]] = [queue.Queue(maxsize=depth), queue.Queue(maxsize=depth)]
+        self._threads = [threading.Thread(target=self._write, name="weights-writer", daemon=True),
+                         threading.Thread(target=self._hash, name="weights-hasher", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def _write(self) -> None:
+        while (data := self._queues[0].get()) is not None:
+            if self.error is None:  # after a failed write, drain the queue so put() never blocks forever
+                try:
+                    _write_all(self.out, data)
+                except OSError as exc:
+                    self.error = exc
+
+    def _hash(self) -> None:
+        while (data := self._queues[1].get()) is not None:
+            self.hasher.update(data)
+
+    def put(self, data: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        for q in self._queues:
+            q.put(data)
+
+    def close(self) -> None:
+        """Wait until everything queued is written (or dropped after an error) and hashed; idempotent."""
+        for q, thread in zip(self._queues, self._threads, strict=True):
+            if thread.is_alive():
+                q.put(None)
+                thread.join()
+
+    def finish(self) -> str:
+        """The sha256 of everything written; raises the write error, if there was one."""
+        self.close()
+        if self.error is not None:
+            raise self.error
+        return self.hasher.hexdigest()
+
+
 class _Assembler:
     """Writes one version's chunks in index order to ``out``, hashing as it goes (no second pass).
 
     A chunk 0 after progress restarts the assembly (an earlier, abandoned publication of the same version seen by
     a timestamp scan, or a learner re-publishing after a crash); older indices are duplicates and skipped; a jump
-    forward means chunks are missing. ``max_bytes`` (the announced size, when known) caps what is written.
+    forward means chunks are missing. ``max_bytes`` (the announced size, when known) caps what is written. The
+    write and hash run on a :class:`_ChunkWriter` thread: use the assembler as a context manager (or call
+    :meth:`close`) so that thread ends, and :meth:`finish` / :meth:`verify` for the result.
     """
 
     def __init__(self, run: str, version: int, num_chunks: int, out: BinaryIO, max_bytes: int | None = None) -> None:
         self.run, self.version, self.num_chunks, self.out, self.max_bytes = run, version, num_chunks, out, max_bytes
+        self.writer: _ChunkWriter | None = None
         self._reset()
 
+    def __enter__(self) -> _Assembler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _reset(self) -> None:
+        self.close()
         self.out.seek(0)
         self.out.truncate()
-        self.next_index, self.size, self.hasher = 0, 0, hashlib.sha256()
+        self.next_index, self.size, self.writer = 0, 0, _ChunkWriter(self.out)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
     @property
     def complete(self) -> bool:
@@ -573,16 +635,21 @@ class _Assembler:
                                    f"chunks {self.next_index}..{chunk.index - 1} are missing")
         if self.max_bytes is not None and self.size + len(chunk.data) > self.max_bytes:
             raise WeightFetchError(f"chunks add up to more than the announced {self.max_bytes} bytes")
-        _write_all(self.out, chunk.data)
-        self.hasher.update(chunk.data)
+        assert self.writer is not None
+        self.writer.put(chunk.data)
         self.size += len(chunk.data)
         self.next_index += 1
 
+    def finish(self) -> str:
+        """Wait for the writes; the sha256 of what was assembled."""
+        assert self.writer is not None
+        return self.writer.finish()
+
     def verify(self, ann: wire.WeightsAnnouncement) -> None:
         """Kafka records are immutable and CRC-checked: a mismatch here will not heal by retrying."""
+        digest = self.finish()
         if self.size != ann.size_bytes:
             raise WeightFetchError(f"size mismatch: reassembled {self.size} bytes, announced {ann.size_bytes}")
-        digest = self.hasher.hexdigest()
         if digest != ann.sha256:
             raise WeightFetchError(f"sha256 mismatch: reassembled file hashes to {digest}, announced {ann.sha256}")
 
@@ -618,7 +685,8 @@ class ChunkStream:
     size and sha256 the stream computed while writing. It keeps one version in progress (a newer chunk 0
     abandons an older partial) and one finished version; anything it cannot vouch for (a version whose chunk 0
     came before the stream started, a stall, a mismatch, a broken stream) makes :meth:`take` return False and
-    the fetcher downloads the version itself. Costs: one consumer thread and a copy of every version on disk.
+    the fetcher downloads the version itself. Costs: one consumer thread (plus a writer and a hasher thread
+    while a version is in progress) and a copy of every version on disk.
     """
 
     def __init__(self, kafka: KafkaConfig, topic: str, run: str, cache_dir: Path) -> None:
@@ -672,18 +740,19 @@ class ChunkStream:
                 current = self._begin(version, msg, chunk.num_chunks)
             streamed, assembler, out = current
             assembler.add_chunk(chunk, where)
-        except WeightFetchError as exc:
+            if not assembler.complete:
+                return
+            streamed.size, streamed.sha256 = assembler.size, assembler.finish()
+        except (WeightFetchError, OSError) as exc:  # this version only: the fetcher downloads it instead
             log.warning("weights stream: dropping v%d: %s", version, exc)
             self._abandon()
             return
-        if assembler.complete:
-            out.close()
-            streamed.size, streamed.sha256 = assembler.size, assembler.hasher.hexdigest()
-            with self.cond:
-                if self.done is not None:
-                    self.done.path.unlink(missing_ok=True)
-                self.done, self.current = streamed, None
-                self.cond.notify_all()
+        out.close()
+        with self.cond:
+            if self.done is not None:
+                self.done.path.unlink(missing_ok=True)
+            self.done, self.current = streamed, None
+            self.cond.notify_all()
 
     def _begin(self, version: int, msg: ConsumerRecord, num_chunks: int) -> tuple[_Streamed, _Assembler, BinaryIO]:
         self._abandon()
@@ -696,6 +765,7 @@ class ChunkStream:
 
     def _abandon(self) -> None:
         if self.current is not None:
+            self.current[1].close()
             self.current[2].close()
             self.current[0].path.unlink(missing_ok=True)
             self.current = None

@@ -4,19 +4,22 @@ compacted announcements topic. The fs tests need no broker; the kafka ones use t
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pytest
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.producer.future import FutureRecordMetadata
 
-from grpo_stream import wire
+from grpo_stream import weight_store, wire
+from grpo_stream.bench import swap
 from grpo_stream.config import ConfigError, KafkaConfig, TopicsConfig, load_config
 from grpo_stream.kafka_io import make_producer
 from grpo_stream.weight_store import (
@@ -287,6 +290,44 @@ def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: Kaf
         fetcher.close()
 
 
+def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks are written and hashed on a writer thread: a disk error there must surface (retried, then reported),
+    never hang the fetch or leave a partial file; the stream drops the version and the download takes over."""
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_retries=1,
+                            fetch_backoff_s=0.01)
+    real_write, failing = weight_store._write_all, {"prefix": ".stream-"}
+
+    def write(dst: BinaryIO, data: memoryview | bytes) -> None:
+        if Path(str(dst.name)).name.startswith(failing["prefix"]):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(dst, data)
+
+    monkeypatch.setattr(weight_store, "_write_all", write)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "w")
+    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topics.weight_data.name, "w"))
+    assert fetcher.stream is not None
+    try:
+        data = _blob(tmp_path / "v1", 5 * MiB + 3, seed=21)
+        path = fetcher.fetch(pub.publish(1, {MODEL_FILE: tmp_path / "v1"}))  # the stream's writes fail
+        assert path.read_bytes() == data and fetcher.stream.hits == 0 and fetcher.stream.current is None
+        failing["prefix"] = ".tmp-"  # now the download's writes fail, the stream's succeed
+        _blob(tmp_path / "v2", 3 * MiB, seed=22)
+        ann2 = pub.publish(2, {MODEL_FILE: tmp_path / "v2"})
+        assert fetcher.fetch(ann2).exists() and fetcher.stream.hits == 1
+        (tmp_path / "cache" / "w" / "v00000002" / MODEL_FILE).unlink()
+        fetcher.stream.close()
+        fetcher.stream = None
+        with pytest.raises(WeightFetchError, match="No space left on device.*2 attempts"):
+            fetcher.fetch(ann2)
+        assert sorted(p.name for p in (tmp_path / "cache" / "w").iterdir()) == ["v00000001", "v00000002"]
+        assert not (tmp_path / "cache" / "w" / "v00000002" / MODEL_FILE).exists()
+        assert [t.name for t in threading.enumerate() if t.name == "weights-writer"] == []
+    finally:
+        pub.close()
+        fetcher.close()
+
+
 def test_kafka_tampered_or_deleted_chunks_are_reported(kafka_cfg: KafkaConfig, topics: TopicsConfig, admin:
                                                        KafkaAdminClient, tmp_path: Path) -> None:
     cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_backoff_s=0.01)
@@ -346,3 +387,22 @@ def test_latest_announcement(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_p
         raw.close()
         for p in pubs.values():
             p.close()
+
+
+# ------------------------------------------------------------------------------------------ the swap benchmark
+
+
+def test_swap_bench_measures_every_store(kafka_cfg: KafkaConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench producer``'s swap part runs end to end (learner in a child process) and says when it streamed."""
+    monkeypatch.setattr(swap, "WEIGHTS", tmp_path)
+    files = {mb: swap.random_file(tmp_path / f"w{mb}.bin", mb * 1_000_000) for mb in (1, 3)}
+    topics = swap.fresh_topics(kafka_cfg)
+    for kind, stream in (("fs", False), ("kafka", False), ("kafka", True)):
+        swap.measure_store(kind, kafka_cfg, topics, files, stream)
+    lines = [line for line in capsys.readouterr().out.splitlines() if " MB: " in line]
+    assert [line.split(" MB: ")[0].split() for line in lines] == [
+        ["fs", "1"], ["fs", "3"], ["kafka", "1"], ["kafka", "3"], ["kafka", "stream", "1"], ["kafka", "stream", "3"]]
+    assert all("swap latency" in line and "fixed latency dominates" in line for line in lines)
+    assert ["fetch+verify streamed" in line for line in lines] == [False] * 4 + [True] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w1.bin", "w3.bin"]  # stores and caches cleaned up

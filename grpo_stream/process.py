@@ -48,7 +48,7 @@ def reuse_freed_memory(mmap_threshold: int = 64 * _MiB, trim_threshold: int = 25
 
     Why: receiving a weight version through Kafka allocates and frees multi-MiB buffers a few hundred times per
     GB (fetch responses, record copies, chunk payloads). Freshly mapped pages cost a page fault each; on the
-    virtual machines we measured, that made receiving 3x slower (0.9-1.1 million faults and 3 s of CPU per GB
+    virtual machine we measured on, that made receiving 3x slower (0.9-1.1 million faults and 3 s of CPU per GB
     with 48 MiB fetches; 20-45 thousand faults and 1.2 s with this call). Cost: the process keeps up to
     ``trim_threshold`` of freed memory instead of returning it. Returns False (and changes nothing) where the C
     library is not glibc or refuses the values.

@@ -44,6 +44,7 @@ Unverified bytes are never returned.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -604,8 +605,7 @@ class _Assembler:
 
     def _reset(self) -> None:
         self.close()
-        self.out.seek(0)
-        self.out.truncate()
+        self.out.seek(0)  # overwritten from the start, cut to size by finish(): ``out`` may be a pre-filled spare
         self.next_index, self.size, self.writer = 0, 0, _ChunkWriter(self.out)
 
     def close(self) -> None:
@@ -641,9 +641,11 @@ class _Assembler:
         self.next_index += 1
 
     def finish(self) -> str:
-        """Wait for the writes; the sha256 of what was assembled."""
+        """Wait for the writes and cut ``out`` to what was written; the sha256 of what was assembled."""
         assert self.writer is not None
-        return self.writer.finish()
+        digest = self.writer.finish()
+        self.out.truncate(self.size)
+        return digest
 
     def verify(self, ann: wire.WeightsAnnouncement) -> None:
         """Kafka records are immutable and CRC-checked: a mismatch here will not heal by retrying."""
@@ -676,6 +678,38 @@ class _Streamed:
     sha256: str = ""
 
 
+class _Spare:
+    """A file of zeros the stream writes ahead of the next version, so that the version's bytes overwrite pages
+    already in the page cache instead of allocating them while the upload is running (measured here: overwriting
+    1 GB costs 0.1-0.3 s of kernel time during an upload, writing it afresh 0.3-2 s). Filled on a thread of its
+    own between versions; :meth:`take` stops the filling wherever it got to. Only ever a head start: a short,
+    failed or vanished spare just means more fresh pages."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path, self.size, self._stop = path, size, threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="weights-spare", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        zeros = memoryview(bytes(_IO_BYTES))
+        try:
+            with open(self.path, "wb", buffering=0) as f:
+                done = 0
+                while done < self.size and not self._stop.is_set():
+                    done += f.write(zeros[:min(_IO_BYTES, self.size - done)])
+        except OSError as exc:
+            log.warning("weights stream: spare file %s: %s (the next version is written afresh)", self.path, exc)
+
+    def take(self) -> Path:
+        """Stop filling; the file is the caller's now (it may be short, or missing if the fill failed)."""
+        self._stop.set()
+        self._thread.join()
+        return self.path
+
+    def discard(self) -> None:
+        self.take().unlink(missing_ok=True)
+
+
 class ChunkStream:
     """Assembles a run's kafka-store versions *while the learner publishes them*, on a background thread.
 
@@ -686,7 +720,8 @@ class ChunkStream:
     abandons an older partial) and one finished version; anything it cannot vouch for (a version whose chunk 0
     came before the stream started, a stall, a mismatch, a broken stream) makes :meth:`take` return False and
     the fetcher downloads the version itself. Costs: one consumer thread (plus a writer and a hasher thread
-    while a version is in progress) and a copy of every version on disk.
+    while a version is in progress), a copy of every version on disk, and between versions a :class:`_Spare`
+    of the last version's size.
     """
 
     def __init__(self, kafka: KafkaConfig, topic: str, run: str, cache_dir: Path) -> None:
@@ -702,7 +737,8 @@ class ChunkStream:
         self.positions = dict(self.start)
         self.current: tuple[_Streamed, _Assembler, BinaryIO] | None = None
         self.done: _Streamed | None = None
-        self.hits, self.failed, self._stop = 0, "", False
+        self.spare: _Spare | None = None  # prepared after each version, sized like it, for the next one
+        self.hits, self.spares_used, self.failed, self._stop = 0, 0, "", False
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="weights-stream", daemon=True)
         self.thread.start()
@@ -753,12 +789,21 @@ class ChunkStream:
                 self.done.path.unlink(missing_ok=True)
             self.done, self.current = streamed, None
             self.cond.notify_all()
+        self.spare = _Spare(self.dir / f".stream-spare-{uuid.uuid4().hex[:8]}.part", streamed.size)
 
     def _begin(self, version: int, msg: ConsumerRecord, num_chunks: int) -> tuple[_Streamed, _Assembler, BinaryIO]:
         self._abandon()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f".stream-{version_dir_name(version)}-{uuid.uuid4().hex[:8]}.part"
-        out = open(path, "wb", buffering=0)  # noqa: SIM115 -- closed when complete or abandoned
+        out: BinaryIO | None = None
+        if self.spare is not None:
+            spare, self.spare = self.spare.take(), None
+            with contextlib.suppress(OSError):  # gone (a GC sweep, a failed fill): start afresh
+                os.rename(spare, path)
+                out = open(path, "r+b", buffering=0)  # noqa: SIM115 -- closed when complete or abandoned
+                self.spares_used += 1
+        if out is None:
+            out = open(path, "wb", buffering=0)  # noqa: SIM115 -- closed when complete or abandoned
         streamed = _Streamed(version, msg.partition, msg.offset, path)
         self.current = (streamed, _Assembler(self.run, version, num_chunks, out), out)
         return self.current
@@ -813,6 +858,8 @@ class ChunkStream:
         self.thread.join(timeout=10)
         self.consumer.close()
         self._abandon()
+        if self.spare is not None:
+            self.spare.discard()
         if self.done is not None:
             self.done.path.unlink(missing_ok=True)
 

@@ -283,11 +283,37 @@ def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: Kaf
         with pytest.raises(WeightFetchError, match="sha256 mismatch"):  # the stream's copy is not trusted either
             fetcher.fetch(lie)
         assert fetcher.stream.hits == 1
-        assert sorted(p.name for p in (tmp_path / "cache" / "s").iterdir() if p.name.startswith(".")) == []
+        leftovers = [p.name for p in (tmp_path / "cache" / "s").iterdir() if p.name.startswith(".")]
+        assert [name for name in leftovers if not name.startswith(".stream-spare-")] == []  # the spare stays
     finally:
         pub.close()
         producer.close()
         fetcher.close()
+
+
+def test_kafka_stream_writes_each_version_over_the_spare_it_prepared(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+                                                                     tmp_path: Path) -> None:
+    """After each version the stream fills a spare file of that size with zeros; the next version overwrites it
+    and is cut to its own size, smaller or larger: the bytes are exactly the version's, never trailing zeros."""
+    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_retries=0)
+    pub = WeightPublisher(cfg, kafka_cfg, topics, "p")
+    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topics.weight_data.name, "p"))
+    stream = fetcher.stream
+    assert stream is not None
+    try:
+        for version, size in enumerate((5 * MiB + 7, 2 * MiB + 3, 7 * MiB + 1), start=1):
+            data = _blob(tmp_path / f"v{version}", size, seed=30 + version)
+            assert fetcher.fetch(pub.publish(version, {MODEL_FILE: tmp_path / f"v{version}"})).read_bytes() == data
+        assert (stream.hits, stream.spares_used) == (3, 2)
+        assert stream.spare is not None
+        deadline = time.monotonic() + 30
+        while stream.spare.path.stat().st_size < 7 * MiB + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stream.spare.path.read_bytes() == bytes(7 * MiB + 1)  # ready for the next version
+    finally:
+        pub.close()
+        fetcher.close()
+    assert [p.name for p in (tmp_path / "cache" / "p").iterdir() if p.name.startswith(".")] == []
 
 
 def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path,
@@ -396,6 +422,7 @@ def test_swap_bench_measures_every_store(kafka_cfg: KafkaConfig, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """``bench producer``'s swap part runs end to end (learner in a child process) and says when it streamed."""
     monkeypatch.setattr(swap, "WEIGHTS", tmp_path)
+    monkeypatch.setattr(swap, "GAP_S", 0.0)
     files = {mb: swap.random_file(tmp_path / f"w{mb}.bin", mb * 1_000_000) for mb in (1, 3)}
     topics = swap.fresh_topics(kafka_cfg)
     for kind, stream in (("fs", False), ("kafka", False), ("kafka", True)):

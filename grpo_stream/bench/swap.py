@@ -8,7 +8,9 @@ publishes and announces a file of random bytes as the next version; a :class:`~p
 polls until it sees the announcement, fetches and verifies the file (``load`` is a no-op here: part 1 measures
 the in-memory load). The kafka store is measured twice: downloading after the announcement, and with the
 fetcher's :class:`~grpo_stream.weight_store.ChunkStream` assembling the version while it is published
-(``weights.stream``, the producers' default).
+(``weights.stream``, the producers' default). Each size is published twice, ``GAP_S`` apart (standing in for
+the training steps between two publications), and the second swap is reported: the steady state of a learner
+publishing same-size versions, where the producer's stream has prepared a spare file of that size.
 
 Target: < 1 s per GB (fetch + verify). Below about 1 GB a fixed latency of tens of milliseconds (the
 announcement's trip through the broker, poll wake-ups) dominates the per-GB figure, so the verdict is given
@@ -40,6 +42,7 @@ VERDICT_FROM_MB = 1000
 WEIGHTS = Path(__file__).resolve().parents[2] / ".cache" / "bench-weights"
 WRITE_CHUNK = 64 * 1024 * 1024
 CHILD_TIMEOUT_S = 300.0
+GAP_S = 2.0
 
 
 def random_file(path: Path, size: int) -> Path:
@@ -120,23 +123,26 @@ def measure_store(kind: str, kafka: KafkaConfig, topics: TopicsConfig, files: di
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter, as a learner on its own machine would be
     conn, child_end = ctx.Pipe()
     sizes = sorted(files)
-    learner = ctx.Process(target=_learner, args=(kafka, topics, cfg, run, [str(files[s]) for s in sizes],
-                                                 child_end), name="bench-learner", daemon=True)
+    paths = [str(files[s]) for s in sizes for _ in range(2)]
+    learner = ctx.Process(target=_learner, args=(kafka, topics, cfg, run, paths, child_end), name="bench-learner",
+                          daemon=True)
     learner.start()
     child_end.close()  # so that a dead child reads as EOF here
     try:
         _receive(conn)
         for size_mb in sizes:
-            hits = fetcher.stream.hits if fetcher.stream is not None else 0
-            conn.send("publish")
-            swap = _swap(subscriber)
-            done = time.time()
-            publish_s, published_at, size = _receive(conn)  # type: ignore[misc]
-            if swap is None:
-                print(f"  {label:>12} {size_mb:5d} MB: no swap within {CHILD_TIMEOUT_S:.0f} s", flush=True)
-                continue
-            streamed = fetcher.stream is not None and fetcher.stream.hits > hits
-            print(_line(label, size_mb, publish_s, done - published_at, size, swap, streamed), flush=True)
+            for measured in (False, True):
+                time.sleep(GAP_S)
+                hits = fetcher.stream.hits if fetcher.stream is not None else 0
+                conn.send("publish")
+                swap = _swap(subscriber)
+                done = time.time()
+                publish_s, published_at, size = _receive(conn)  # type: ignore[misc]
+                if swap is None:
+                    print(f"  {label:>12} {size_mb:5d} MB: no swap within {CHILD_TIMEOUT_S:.0f} s", flush=True)
+                elif measured:
+                    streamed = fetcher.stream is not None and fetcher.stream.hits > hits
+                    print(_line(label, size_mb, publish_s, done - published_at, size, swap, streamed), flush=True)
     finally:
         learner.join(timeout=30)
         if learner.is_alive():

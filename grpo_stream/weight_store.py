@@ -114,7 +114,8 @@ class WeightStoreConfig:
     fetch_backoff_s: float = opt(0.5, "First retry delay; doubles per retry, capped at 10 s.")
     stream: bool = opt(
         True, "kafka, receivers: assemble each version's chunks while the learner publishes it (a background "
-              "consumer), so a swap waits only for the last chunks after the announcement instead of a full download.")
+              "consumer), so a swap waits only for the last chunks after the announcement instead of a full download. "
+              "Costs a consumer thread and, between versions, a spare file of one version's size in the cache.")
 
     def validate(self) -> None:
         require(bool(self.root), "weights.root: must not be empty")
@@ -588,8 +589,8 @@ class _Assembler:
     A chunk 0 after progress restarts the assembly (an earlier, abandoned publication of the same version seen by
     a timestamp scan, or a learner re-publishing after a crash); older indices are duplicates and skipped; a jump
     forward means chunks are missing. ``max_bytes`` (the announced size, when known) caps what is written. The
-    write and hash run on a :class:`_ChunkWriter` thread: use the assembler as a context manager (or call
-    :meth:`close`) so that thread ends, and :meth:`finish` / :meth:`verify` for the result.
+    write and hash run on :class:`_ChunkWriter` threads: use the assembler as a context manager (or call
+    :meth:`close`) so they end, and :meth:`finish` / :meth:`verify` for the result.
     """
 
     def __init__(self, run: str, version: int, num_chunks: int, out: BinaryIO, max_bytes: int | None = None) -> None:

@@ -471,9 +471,7 @@ class WeightFetcher:
     def _kafka_consumer(self) -> KafkaConsumer:
         """One group-less consumer, reused across fetches (reconnecting per version costs more than a chunk)."""
         if self._consumer is None:
-            fetch_bytes = max(self.kafka.max_record_bytes, 48 * MiB)
-            self._consumer = make_consumer(self.kafka, "weights-fetch", None, max_partition_fetch_bytes=fetch_bytes,
-                                           fetch_max_bytes=fetch_bytes)
+            self._consumer = _chunk_consumer(self.kafka, "weights-fetch")
         return self._consumer
 
     def _start_offsets(self, ann: wire.WeightsAnnouncement) -> dict[TopicPartition, int]:
@@ -535,6 +533,12 @@ class WeightFetcher:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+
+
+def _chunk_consumer(kafka: KafkaConfig, role: str) -> KafkaConsumer:
+    """A group-less consumer whose fetches hold several multi-MiB chunk records."""
+    fetch_bytes = max(kafka.max_record_bytes, 48 * MiB)
+    return make_consumer(kafka, role, None, max_partition_fetch_bytes=fetch_bytes, fetch_max_bytes=fetch_bytes)
 
 
 class _ChunkWriter:
@@ -727,16 +731,14 @@ class ChunkStream:
 
     def __init__(self, kafka: KafkaConfig, topic: str, run: str, cache_dir: Path) -> None:
         self.run, self.prefix, self.dir = check_run_name(run), f"{run}/".encode(), Path(cache_dir) / run
-        fetch_bytes = max(kafka.max_record_bytes, 48 * MiB)
-        self.consumer = make_consumer(kafka, "weights-stream", None, max_partition_fetch_bytes=fetch_bytes,
-                                      fetch_max_bytes=fetch_bytes)
+        self.consumer = _chunk_consumer(kafka, "weights-stream")
         parts = with_retry(lambda: require_partitions(self.consumer, topic), f"weights stream: metadata of {topic}")
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         self.consumer.assign(tps)
         self.consumer.seek_to_end(*tps)
         self.start = {tp.partition: self.consumer.position(tp) for tp in tps}  # everything from here is seen
         self.positions = dict(self.start)
-        self.current: tuple[_Streamed, _Assembler, BinaryIO] | None = None
+        self.current: tuple[_Streamed, _Assembler] | None = None  # the assembler's ``out`` is the open file
         self.done: _Streamed | None = None
         self.spare: _Spare | None = None  # prepared after each version, sized like it, for the next one
         self.hits, self.spares_used, self.failed, self._stop = 0, 0, "", False
@@ -775,7 +777,7 @@ class ChunkStream:
                 if chunk.index != 0:
                     return  # joined in the middle of this publication: the fetcher downloads it
                 current = self._begin(version, msg, chunk.num_chunks)
-            streamed, assembler, out = current
+            streamed, assembler = current
             assembler.add_chunk(chunk, where)
             if not assembler.complete:
                 return
@@ -784,15 +786,16 @@ class ChunkStream:
             log.warning("weights stream: dropping v%d: %s", version, exc)
             self._abandon()
             return
-        out.close()
+        assembler.out.close()
+        # Before the version is handed over, so that whoever takes it finds the next one's spare under way.
+        self.spare = _Spare(self.dir / f".stream-spare-{uuid.uuid4().hex[:8]}.part", streamed.size)
         with self.cond:
             if self.done is not None:
                 self.done.path.unlink(missing_ok=True)
             self.done, self.current = streamed, None
             self.cond.notify_all()
-        self.spare = _Spare(self.dir / f".stream-spare-{uuid.uuid4().hex[:8]}.part", streamed.size)
 
-    def _begin(self, version: int, msg: ConsumerRecord, num_chunks: int) -> tuple[_Streamed, _Assembler, BinaryIO]:
+    def _begin(self, version: int, msg: ConsumerRecord, num_chunks: int) -> tuple[_Streamed, _Assembler]:
         self._abandon()
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f".stream-{version_dir_name(version)}-{uuid.uuid4().hex[:8]}.part"
@@ -806,13 +809,13 @@ class ChunkStream:
         if out is None:
             out = open(path, "wb", buffering=0)  # noqa: SIM115 -- closed when complete or abandoned
         streamed = _Streamed(version, msg.partition, msg.offset, path)
-        self.current = (streamed, _Assembler(self.run, version, num_chunks, out), out)
+        self.current = (streamed, _Assembler(self.run, version, num_chunks, out))
         return self.current
 
     def _abandon(self) -> None:
         if self.current is not None:
             self.current[1].close()
-            self.current[2].close()
+            self.current[1].out.close()
             self.current[0].path.unlink(missing_ok=True)
             self.current = None
 

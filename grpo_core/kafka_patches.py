@@ -1,4 +1,4 @@
-"""Two receive-path speedups for kafka-python 3.0, applied once per process by :mod:`grpo_stream.kafka_io`.
+"""Two receive-path speedups for kafka-python 3.0, applied once per process by :mod:`grpo_core.kafka_io`.
 
 kafka-python reads sockets 4 KiB per ``recv`` call and copies every buffered read twice. For the multi-MiB
 records of the kafka weight store that is the bottleneck (about 6 s per GiB on one core here, measured by

@@ -1,4 +1,4 @@
-"""Creating the declared topic plan (:class:`grpo_stream.config.TopicsConfig`) on a cluster, idempotently.
+"""Creating the declared topic plan (:class:`grpo_core.config.TopicsConfig`) on a cluster, idempotently.
 
 The same plan feeds the Kubernetes ``KafkaTopic`` manifests, so the broker-side settings of a topic are
 derived in exactly one function, :func:`broker_configs`.
@@ -14,7 +14,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import TopicAlreadyExistsError
 
-from grpo_stream.config import TopicsConfig, TopicSpec
+from grpo_core.config import TopicsConfig, TopicSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,10 @@
 """Kafka helpers every role uses: client factories, the offset-commit rule, dead letters, lag.
 
+This module (with :mod:`grpo_core.topics`, :mod:`grpo_core.kafka_patches` and the kafka weight store) is the seam
+to the Kafka client library: nothing above the core imports ``kafka`` (the import contract in pyproject.toml
+forbids it). Services name the client's types through the aliases below (:data:`Record`, :data:`Partition`,
+:data:`Consumer`, :data:`BrokerError`, ...), so a change of client touches the core only.
+
 Reliability in grpo-stream rests on two rules implemented here once:
 
 * :func:`commit_processed` -- offsets are committed explicitly, and only for records whose effect is durable.
@@ -12,23 +17,34 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError, UnknownTopicOrPartitionError
+from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
-from grpo_stream import kafka_patches, wire
-from grpo_stream.config import KafkaConfig
+from grpo_core import kafka_patches, wire
+from grpo_core.config import KafkaConfig
+from grpo_core.retry import retry
 
 log = logging.getLogger(__name__)
 kafka_patches.apply()  # every client of the code base is made here: faster receives for large records
 T = TypeVar("T")
 R = TypeVar("R", bound=wire.Record)
+
+# The client's types, as the rest of the code base names them.
+Record = ConsumerRecord  # .topic .partition .offset .key .value .timestamp
+Partition = TopicPartition  # (topic, partition)
+Consumer = KafkaConsumer
+Producer = KafkaProducer
+Admin = KafkaAdminClient
+SendFuture = FutureRecordMetadata
+RebalanceListener = ConsumerRebalanceListener
+BrokerError = KafkaError  # every error the client raises for the broker or the connection
 
 
 # ------------------------------------------------------------------------------------------ clients
@@ -59,18 +75,9 @@ def redacted(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def with_retry(fn: Callable[[], T], what: str, attempts: int = 10, backoff_s: float = 0.5) -> T:
-    """Retry an I/O edge (broker connect, metadata) with exponential backoff; the only place we retry."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except (KafkaError, OSError) as exc:  # kafka-python 3: no brokers -> KafkaError subclasses
-            if attempt == attempts:
-                raise
-            delay = min(backoff_s * 2 ** (attempt - 1), 10.0)
-            log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what, type(exc).__name__, exc,
-                        attempt, attempts, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    """Retry a broker call (connect, metadata, offsets) with exponential backoff (:func:`grpo_core.retry.retry`).
+    kafka-python 3 raises KafkaError subclasses when no broker answers, OSError for socket failures."""
+    return retry(fn, what, attempts=attempts, backoff_s=backoff_s, transient=(KafkaError, OSError))
 
 
 def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProducer:

@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from grpo_stream.config import MetricsConfig
+from grpo_core.config import MetricsConfig
 
 log = logging.getLogger(__name__)
 

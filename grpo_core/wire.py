@@ -204,6 +204,7 @@ class WeightsAnnouncement(Record):
     num_chunks: int = 0
     chunk_bytes: int = 0
     published_at: float = 0.0
+    contract: str = ""  # the publishing learner's pipeline-contract digest (grpo_core.contract); "" if unknown
 
     def validate(self) -> None:
         _require(self.version >= 0, f"version: {self.version} < 0")

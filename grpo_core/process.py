@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from grpo_stream.config import MetricsConfig
-from grpo_stream.metrics import HealthFn, MetricsServer
+from grpo_core.config import MetricsConfig
+from grpo_core.metrics import HealthFn, MetricsServer
 
 log = logging.getLogger(__name__)
 

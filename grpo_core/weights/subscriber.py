@@ -13,11 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kafka import KafkaConsumer, TopicPartition
-
-from grpo_stream import wire
-from grpo_stream.kafka_io import require_partitions, with_retry
-from grpo_stream.weight_store import WeightFetcher, WeightFetchError
+from grpo_core import wire
+from grpo_core.kafka_io import Consumer, Partition, require_partitions, with_retry
+from grpo_core.weights import WeightFetcher, WeightFetchError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +30,7 @@ class Swap:
 
 
 class WeightSubscriber:
-    def __init__(self, consumer: KafkaConsumer, topic: str, run: str, fetcher: WeightFetcher, version: int,
+    def __init__(self, consumer: Consumer, topic: str, run: str, fetcher: WeightFetcher, version: int,
                  retry_after_s: float = 5.0) -> None:
         self.consumer, self.topic, self.run, self.fetcher = consumer, topic, run, fetcher
         self.version = version
@@ -40,7 +38,7 @@ class WeightSubscriber:
         self.retry_after_s = retry_after_s
         self._failed_at: dict[int, float] = {}
         parts = with_retry(lambda: require_partitions(consumer, topic), f"producer: metadata of {topic}")
-        tps = [TopicPartition(topic, p) for p in parts]
+        tps = [Partition(topic, p) for p in parts]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)  # compacted: the latest announcement per run is always retained
 

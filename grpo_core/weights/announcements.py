@@ -1,0 +1,73 @@
+"""Announcements on the compacted ``weights`` topic: sending one, and catching up on the latest.
+
+The announcement says where a version's bytes are and what they hash to (never the bytes). Keyed by run name on a
+compacted topic, so the latest version of every run is always there for a producer that starts late.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from grpo_core import wire
+from grpo_core.config import KafkaConfig
+from grpo_core.kafka_io import Partition, Record, make_consumer
+from grpo_core.weights.common import SEND_TIMEOUT_S, WeightFetchError
+
+log = logging.getLogger("grpo_core.weights")
+
+
+def announce(producer: Any, topic: str, ann: wire.WeightsAnnouncement) -> None:
+    """Send ``ann`` keyed by its run and wait for the broker's ack (acks=all): a returned call means durable."""
+    producer.send(topic, key=ann.run.encode(), value=wire.encode(ann)).get(timeout=SEND_TIMEOUT_S)
+    log.info("weights: announced %s v%d at %s", ann.run, ann.version, ann.location)
+
+
+def latest_announcement(kafka: KafkaConfig, topic: str, run: str,
+                        timeout_s: float = 30.0) -> wire.WeightsAnnouncement | None:
+    """The current announcement for ``run``: read the compacted weights topic from the beginning to the end
+    offsets taken at the start and return the *last valid record written* for the run (None if there is none,
+    or if the last word is a tombstone). In normal operation that is the highest version; after a learner
+    rewound to a checkpoint and re-published, it is the re-published one -- the same answer compaction will
+    eventually leave, so a new producer's view does not depend on when the log cleaner last ran. Undecodable or
+    mis-keyed records are skipped with a warning. Raises WeightFetchError if the topic is missing or the end is
+    not reached within ``timeout_s``."""
+    consumer = make_consumer(kafka, "weights-catchup", None)
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            raise WeightFetchError(f"weights topic {topic!r} not found (run `grpo-stream topics create`)")
+        tps = [Partition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        key, latest = run.encode(), None
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise WeightFetchError(f"weights topic {topic!r}: end not reached within {timeout_s:.0f}s")
+            for msgs in consumer.poll(timeout_ms=200).values():
+                for msg in msgs:
+                    if msg.key == key and msg.offset < ends[Partition(msg.topic, msg.partition)]:
+                        latest = _apply_announcement(msg, run, latest)
+        return latest
+    finally:
+        consumer.close()
+
+
+def _apply_announcement(msg: Record, run: str,
+                        latest: wire.WeightsAnnouncement | None) -> wire.WeightsAnnouncement | None:
+    if msg.value is None:  # tombstone: the run's announcements were deleted
+        return None
+    where = f"{msg.topic}[{msg.partition}]@{msg.offset}"
+    try:
+        ann = wire.decode(msg.value, wire.WeightsAnnouncement)
+    except wire.WireError as exc:
+        log.warning("weights: skipping bad record at %s: %s", where, exc)
+        return latest
+    if ann.run != run:
+        log.warning("weights: skipping record at %s: keyed %r but announces run %r", where, run, ann.run)
+        return latest
+    return ann
+

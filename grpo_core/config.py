@@ -98,7 +98,8 @@ class TopicSpec:
 
 @dataclass
 class TopicsConfig:
-    """The topic plan (architecture: topics). ``grpo-stream topics create`` and the k8s manifests use it."""
+    """The topic plan: settings and names before the run's prefix (:class:`grpo_core.contract.PipelineContract`
+    adds it). ``grpo-stream topics create`` and the k8s manifests use it."""
 
     prompts: TopicSpec = opt(factory=lambda: TopicSpec("prompts", retention_ms=30 * 24 * 3600 * 1000))
     completions: TopicSpec = opt(factory=lambda: TopicSpec("completions"))
@@ -130,34 +131,23 @@ class MetricsConfig:
         require(-1 <= self.port <= 65535, "metrics.port: must be -1 (off), 0 (any) or a port number")
 
 
-@dataclass
-class TopicsFileConfig:
-    """What ``grpo-stream topics create --config FILE`` reads (any process config with these keys works)."""
-
-    kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="The topic plan.")
-
-
 # ------------------------------------------------------------------------------------------ loading
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = (),
-                *, ignore_unknown_top: bool = False) -> C:
+                *, ignore_unknown_top: bool = False, pipeline_file: str | Path | None = None) -> C:
     """Build ``cls`` from a YAML file and ``key.sub=value`` overrides (values parsed as YAML), then validate.
 
     ``ignore_unknown_top`` lets a tool read its own sections out of a larger file (e.g. a whole-run config).
+    ``pipeline_file`` is the shared pipeline contract (one file every role loads): it becomes the ``pipeline``
+    section, which the config file itself must then not have; overrides still apply on top.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{p}: invalid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping, got {type(raw).__name__}")
+    raw = read_yaml(path) if path is not None else {}
+    if pipeline_file is not None:
+        if "pipeline" in raw:
+            raise ConfigError(f"{path}: has a pipeline section and --pipeline {pipeline_file} was given; keep the "
+                              f"contract in one place")
+        raw["pipeline"] = read_yaml(pipeline_file)
     for item in overrides:
         _apply_override(raw, item)
     if ignore_unknown_top:
@@ -166,6 +156,20 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     cfg = build(cls, raw, "")
     validate_tree(cfg)
     return cfg
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (an empty file is ``{}``), or a ConfigError saying why not."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -212,6 +212,19 @@ def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[i
     return {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == topic and om.offset >= 0}
 
 
+def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = None) -> int:
+    """This consumer's own view of its lag: records between its position and the log end, summed over its
+    assignment. ``positions`` (next offset per partition) replaces the client's position where the caller keeps
+    its own (the learner's checkpointed positions); a partition missing there counts as caught up."""
+    assigned = list(consumer.assignment())
+    if not assigned:
+        return 0
+    ends = consumer.end_offsets(assigned)
+    if positions is None:
+        return sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
+    return sum(max(0, end - positions.get(tp.partition, end)) for tp, end in ends.items())
+
+
 def consumer_lag(admin: KafkaAdminClient, group: str, topic: str) -> dict[int, int]:
     """Per partition: log-end offset minus the group's committed offset -- records the group has yet to
     process. A partition the group never committed counts from its earliest retained record."""

@@ -9,8 +9,11 @@ The patches change nothing observable but speed:
   loop, exceptions and disconnect detection as the original, a 256x larger read per call);
 * ``KafkaBytes.read`` copies once from a memoryview instead of slicing a bytearray and copying the slice.
 
-Both replace a function whose source we checked: if kafka-python changes either one, the patch is skipped with
-a warning (correct, only slower). TLS connections keep kafka-python's own ``KafkaSSLTransport._sock_recv``.
+Both replace a function whose source we checked. pyproject.toml pins kafka-python to the release they were written
+for; any other release (or a changed function) is refused at start-up with :class:`UnpatchedKafkaError`, so the
+speed-up cannot vanish silently with an upgrade. ``GRPO_STREAM_UNPATCHED_KAFKA=1`` runs anyway, unpatched (correct,
+only slower for large records), with a warning. TLS connections keep kafka-python's own
+``KafkaSSLTransport._sock_recv``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,17 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+PINNED = "3.0.12"  # kafka-python's release the patches were written for (pyproject.toml pins it)
+OVERRIDE_ENV = "GRPO_STREAM_UNPATCHED_KAFKA"
+
+
+class UnpatchedKafkaError(RuntimeError):
+    """The installed kafka-python is not the release the receive patches were written for."""
 
 _RECV_BYTES = 1 << 20
 # sha256 of the exact upstream source each patch replaces (kafka-python 3.0.12).
@@ -29,6 +40,7 @@ _EXPECTED = {
     "KafkaBytes.read": "21580870f9dff4aa732e1b80061bd6d11ccd122104d7e10c7c93962417a9a3a9",
 }
 _applied: dict[str, bool] = {}
+_originals: dict[str, Any] = {}  # the upstream functions, kept to check them again
 
 
 def _source_hash(fn: Any) -> str:
@@ -67,21 +79,37 @@ def _read(self: Any, nbytes: int | None = None) -> bytes:
 
 
 def apply() -> dict[str, bool]:
-    """Patch what still matches the expected upstream source; returns {name: applied}. Idempotent."""
+    """Patch both functions; returns {name: applied}. Idempotent. Raises :class:`UnpatchedKafkaError` when the
+    installed kafka-python is not the pinned release or a patched function changed, unless the override is set."""
     if _applied:
         return dict(_applied)
+    import kafka
     from kafka.net.transport import KafkaTCPTransport
     from kafka.protocol.frame import KafkaBytes
 
     targets = {"KafkaTCPTransport._sock_recv": (KafkaTCPTransport, "_sock_recv", _sock_recv),
                "KafkaBytes.read": (KafkaBytes, "read", _read)}
+    originals = {name: _originals.get(name, getattr(cls, attr)) for name, (cls, attr, _) in targets.items()}
+    changed = [name for name, fn in originals.items() if _source_hash(fn) != _EXPECTED[name]]
+    version = getattr(kafka, "__version__", "?")
+    if version != PINNED or changed:
+        refuse(version, changed)
+        return dict.fromkeys(targets, False)
     for name, (cls, attr, replacement) in targets.items():
-        original = getattr(cls, attr)
-        if _source_hash(original) != _EXPECTED[name]:
-            log.warning("kafka-python's %s is not the version these patches were written for: left as is "
-                        "(correct, but large records are received more slowly)", name)
-            _applied[name] = False
-            continue
+        _originals[name] = originals[name]
         setattr(cls, attr, replacement)
         _applied[name] = True
     return dict(_applied)
+
+
+def refuse(version: str, changed: list[str]) -> None:
+    """Raise, or with the override set only warn: the patches do not match the installed kafka-python."""
+    what = f"kafka-python {version} is installed, but grpo-stream's receive patches were written for {PINNED}"
+    if changed:
+        what += f" (changed upstream: {', '.join(changed)})"
+    if os.environ.get(OVERRIDE_ENV) == "1":
+        log.warning("%s; running unpatched (%s=1): correct, but large records are received ~2x more slowly",
+                    what, OVERRIDE_ENV)
+        return
+    raise UnpatchedKafkaError(f"{what}. Install the pinned release (pip install kafka-python=={PINNED}), or set "
+                              f"{OVERRIDE_ENV}=1 to run without the patches (slower weight transfers).")

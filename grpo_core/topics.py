@@ -1,4 +1,4 @@
-"""Creating the declared topic plan (:class:`grpo_core.config.TopicsConfig`) on a cluster, idempotently.
+"""Creating the declared topic plan (the pipeline contract's ``topics``, with its names) on a cluster, idempotently.
 
 The same plan feeds the Kubernetes ``KafkaTopic`` manifests, so the broker-side settings of a topic are
 derived in exactly one function, :func:`broker_configs`.
@@ -14,9 +14,18 @@ from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import TopicAlreadyExistsError
 
-from grpo_core.config import TopicsConfig, TopicSpec
+from grpo_core.config import KafkaConfig, TopicSpec, opt
+from grpo_core.contract import PipelineContract
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TopicsFileConfig:
+    """What ``grpo-stream topics create --config FILE`` reads (any role's config with these keys works)."""
+
+    kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="The run: its topic plan and names.")
 
 
 class TopicConflict(RuntimeError):
@@ -38,15 +47,16 @@ def broker_configs(spec: TopicSpec) -> dict[str, str]:
     }
 
 
-def ensure_topics(admin: KafkaAdminClient, plan: TopicsConfig) -> list[TopicResult]:
+def ensure_topics(admin: KafkaAdminClient, contract: PipelineContract) -> list[TopicResult]:
     """Create every missing topic of the plan; check existing ones against it.
 
     Raises :class:`TopicConflict` naming each differing setting, and never alters an existing topic: a
     changed partition count reshuffles keys across partitions, which the user must decide on knowingly.
     """
+    plan = contract.topic_plan()
     existing = set(admin.list_topics())
     results = []
-    missing = [s for s in plan.all() if s.name not in existing]
+    missing = [s for s in plan if s.name not in existing]
     if missing:
         # A concurrent creator may win the race; the check below still compares its settings with the plan.
         with contextlib.suppress(TopicAlreadyExistsError):
@@ -54,7 +64,7 @@ def ensure_topics(admin: KafkaAdminClient, plan: TopicsConfig) -> list[TopicResu
                                           "configs": broker_configs(s)} for s in missing})
         admin.wait_for_topics([s.name for s in missing], timeout_ms=30_000)
         results += [TopicResult(s.name, True) for s in missing]
-    present = [s for s in plan.all() if s.name in existing]
+    present = [s for s in plan if s.name in existing]
     problems = [p for s in present for p in differences(admin, s)]
     if problems:
         raise TopicConflict("existing topics differ from the plan:\n  " + "\n  ".join(problems)

@@ -30,9 +30,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_LIBS_DIR = REPO_ROOT / ".cache" / "kafka" / "libs"
-DEFAULT_DATA_DIR = REPO_ROOT / ".cache" / "kafka" / "data"
+# Relative to the working directory (the checkout, where ops/setup.sh puts the jars), unless the environment or
+# the caller says otherwise: an installed package has no checkout to find them in.
+DEFAULT_LIBS_DIR = Path(".cache") / "kafka" / "libs"
+DEFAULT_DATA_DIR = Path(".cache") / "kafka" / "data"
 LIBS_ENV = "GRPO_STREAM_KAFKA_LIBS"
 DATA_ENV = "GRPO_STREAM_KAFKA_DATA"
 MIN_JAVA = 17
@@ -483,12 +484,10 @@ class LocalBroker:
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout_s):
             pass
         # Imported lazily: kafka-python costs import time that `status`/`down` never need.
-        from kafka.admin import KafkaAdminClient
+        from grpo_core.kafka_io import Admin
 
         ms = int(timeout_s * 1000)
-        admin = KafkaAdminClient(
-            bootstrap_servers=self.bootstrap, request_timeout_ms=ms, client_id="grpo-stream-broker-ping"
-        )
+        admin = Admin(bootstrap_servers=self.bootstrap, request_timeout_ms=ms, client_id="grpo-stream-broker-ping")
         try:
             admin.describe_cluster()
             admin.list_topics()

@@ -8,18 +8,17 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from grpo_stream.config import ConfigError
+from grpo_core.config import ConfigError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from grpo_stream.broker import DEFAULT_DATA_DIR, LocalBroker
+    from grpo_stream.broker import LocalBroker
 
-    broker = LocalBroker(data_dir=Path(args.data_dir or DEFAULT_DATA_DIR), port=args.port,
-                         controller_port=args.controller_port)
+    broker = LocalBroker(data_dir=args.data_dir, port=args.port, controller_port=args.controller_port,
+                         libs_dir=args.jars)
     if args.action == "up":
         state = broker.up(fresh=args.fresh, timeout_s=args.timeout)
         print(f"kafka is up: bootstrap {state['bootstrap']} (pid {state['pid']}, data {broker.data_dir})")
@@ -32,46 +31,42 @@ def _kafka(args: argparse.Namespace) -> int:
 
 
 def _topics(args: argparse.Namespace) -> int:
-    from grpo_stream.config import TopicsFileConfig, load_config
-    from grpo_stream.kafka_io import make_admin
-    from grpo_stream.topics import ensure_topics
+    from grpo_core.config import load_config
+    from grpo_core.kafka_io import make_admin
+    from grpo_core.topics import TopicsFileConfig, ensure_topics
 
-    cfg = load_config(TopicsFileConfig, args.config, args.overrides, ignore_unknown_top=True)
+    cfg = load_config(TopicsFileConfig, args.config, args.overrides, ignore_unknown_top=True,
+                      pipeline_file=args.pipeline)
     admin = make_admin(cfg.kafka)
     try:
-        for result in ensure_topics(admin, cfg.topics):
+        for result in ensure_topics(admin, cfg.pipeline):
             print(f"{result.name}: {'created' if result.created else 'exists, matches the plan'}")
     finally:
         admin.close()
     return 0
 
 
-# The service roles: module with main(config, overrides), help, an example override.
-ROLES: dict[str, tuple[str, str, str]] = {
-    "learner": ("learner.service", "train on scored groups; publish weights; checkpoint", "publish_every=10"),
-    "producer": ("producers.service", "generate G completions per prompt with hot-swapped weights",
-                 "backend.kind=vllm"),
-    "verifier": ("verifiers.service", "score completions, assemble groups, publish ScoredGroups",
-                 "rewards.workers=4"),
-    "feed": ("producers.feeder", "publish a dataset's prompts to the prompts topic (resumable)", "epochs=2"),
+# The service roles: help and an example override (their modules: grpo_stream.roles).
+ROLES: dict[str, tuple[str, str]] = {
+    "learner": ("train on scored groups; publish weights; checkpoint", "publish_every=10"),
+    "producer": ("generate G completions per prompt with hot-swapped weights", "backend.kind=vllm"),
+    "verifier": ("score completions, assemble groups, publish ScoredGroups", "rewards.workers=4"),
+    "feed": ("publish a dataset's prompts to the prompts topic (resumable)", "epochs=2"),
 }
 
 
 def _role(args: argparse.Namespace) -> int:
-    module = importlib.import_module(ROLES[args.command][0])
-    return module.main(args.config, args.overrides)
+    from grpo_stream.roles import ROLE_MODULES
+
+    module = importlib.import_module(ROLE_MODULES[args.command][0])
+    return module.main(args.config, args.overrides, args.pipeline)
 
 
 def _config(args: argparse.Namespace) -> int:
-    from grpo_stream.config import TopicsFileConfig, explain
-    from learner.config import LearnerConfig
-    from producers.config import ProducerConfig
-    from producers.feeder import FeederConfig
-    from verifiers.config import VerifierConfig
+    from grpo_core.config import explain
+    from grpo_stream.roles import config_class
 
-    roles = {"topics": TopicsFileConfig, "learner": LearnerConfig, "producer": ProducerConfig,
-             "feeder": FeederConfig, "verifier": VerifierConfig}
-    for line in explain(roles[args.role]):
+    for line in explain(config_class(args.role)):
         print(line)
     return 0
 
@@ -128,26 +123,33 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("action", choices=["up", "down", "status"])
     k.add_argument("--port", type=int, default=9092, help="client port (controller uses port+1)")
     k.add_argument("--controller-port", type=int, default=None, help="KRaft controller port (default port+1)")
-    k.add_argument("--data-dir", default=None, help="broker data dir (default .cache/kafka/data; persistent)")
+    k.add_argument("--data-dir", default=None,
+                   help="broker data dir (default $GRPO_STREAM_KAFKA_DATA, else .cache/kafka/data; persistent)")
+    k.add_argument("--jars", default=None, help="the Kafka jars (default $GRPO_STREAM_KAFKA_LIBS, else "
+                                                ".cache/kafka/libs, where ops/setup.sh puts them)")
     k.add_argument("--fresh", action="store_true", help="wipe the data dir before starting")
     k.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for start/stop")
     k.set_defaults(fn=_kafka)
 
     t = sub.add_parser("topics", help="create the declared topic plan (idempotent)")
     t.add_argument("action", choices=["create"])
-    t.add_argument("--config", default=None, help="YAML with kafka: and topics: sections")
-    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. topics.groups.partitions=8")
+    t.add_argument("--config", default=None, help="YAML with kafka: and pipeline: sections (any role's config)")
+    t.add_argument("--pipeline", default=None, help="the pipeline contract file (instead of a pipeline: section)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. pipeline.topics.groups.partitions=8")
     t.set_defaults(fn=_topics)
 
-    for role, (_, text, example) in ROLES.items():
+    for role, (text, example) in ROLES.items():
         role_parser = sub.add_parser(role, help=text)
         role_parser.add_argument("--config", default=None, help=f"YAML (see configs/; `config explain {role}`)")
+        role_parser.add_argument("--pipeline", default=None,
+                                 help="the pipeline contract every role loads (configs/pipeline.yaml; `config explain "
+                                      "pipeline`), instead of a pipeline: section in --config")
         role_parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
         role_parser.set_defaults(fn=_role)
 
     c = sub.add_parser("config", help="explain every config key of a role")
     c.add_argument("action", choices=["explain"])
-    c.add_argument("role", choices=["topics", "learner", "producer", "feeder", "verifier"])
+    c.add_argument("role", choices=["pipeline", "topics", "learner", "producer", "feeder", "verifier"])
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
@@ -195,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.verbose:  # kafka-python narrates every connection at INFO
         logging.getLogger("kafka").setLevel(logging.WARNING)
+    from grpo_core.topics import TopicConflict
     from grpo_stream.broker import BrokerError
-    from grpo_stream.topics import TopicConflict
 
     try:
         return args.fn(args)

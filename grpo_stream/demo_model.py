@@ -4,8 +4,9 @@ Why a warm start at all: a randomly initialised tiny model never emits "<digit><
 is 0 for every sample, every group has zero variance and GRPO has no signal. Supervised training on the task's
 prompts with *random* answers (a fresh uniform draw from the family's answer set each time a prompt is seen)
 teaches only the format: the model learns "one digit, then EOS" with a near-uniform digit, which is right by
-chance ~10% of the time -- enough for G=8 groups to contain a correct sample about half the time
-(``/work/shared/cpu-rl-notes.md``). Everything the model then knows about the *answer* it learned from reward.
+chance ~10% of the time -- enough for G=8 groups to contain a correct sample about half the time (measured on
+these 2-core machines: a task whose answers a format-only start hits less often than ~10% never learned within
+3,000 steps). Everything the model then knows about the *answer* it learned from reward.
 
 Why greedy decoding for evaluation: it is deterministic (same weights -> same accuracy, no sampling noise in
 the demo's before/after comparison) and it measures the policy's mode, which is what RL sharpens.
@@ -28,9 +29,9 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grpo_stream.fsutil import move_into
+from grpo_core.fsutil import move_into
+from grpo_producers.datasets import SyntheticConfig, load_synthetic
 from grpo_stream.tiny_model import _check_no_lm_head, _quietly
-from producers.datasets import SyntheticConfig, load_synthetic
 
 WARM_START_FILE = "warm_start.json"
 WARM_START_FORMAT = 1  # bump when warm_start's training changes, so cached warm starts are redone
@@ -199,7 +200,7 @@ def greedy_generate(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[st
 
     Left-padded batches in a fixed order, so the same weights and prompts give the same tokens every time.
     """
-    from producers.backends.hf import left_pad  # the producer's padding: same positions as in generation
+    from grpo_producers.backends.hf import left_pad  # the producer's padding: same positions as in generation
 
     eos_id = int(tok.eos_token_id)
     was_training = model.training

@@ -1,6 +1,7 @@
 """``grpo-stream run CONFIG.yaml``: a whole pipeline as separate OS processes, supervised.
 
-The run YAML holds the shared ``kafka`` and ``topics`` sections and one section per role (``feeder``,
+The run YAML holds the shared ``kafka`` section, the pipeline contract (``pipeline``: group size, names, ...;
+its ``run`` is the run's ``name``) and one section per role (``feeder``,
 ``producers``, ``verifiers``, ``learner``) in that role's own config format; each role is started exactly as k8s
 would start it: ``grpo-stream <role> --config runs/<name>/configs/<role>.yaml``. The supervisor streams their
 logs with a prefix, restarts a crashed child with backoff, shows learner progress, stops everything on Ctrl-C /
@@ -9,6 +10,7 @@ SIGTERM / the time budget / the learner's ``max_steps``, and exits non-zero when
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +26,8 @@ from typing import IO, Any
 
 import yaml
 
-from grpo_stream.config import ConfigError, KafkaConfig, TopicsConfig, build, opt, require, to_dict, validate_tree
+from grpo_core.config import ConfigError, KafkaConfig, build, opt, require, to_dict, validate_tree
+from grpo_core.contract import PipelineContract
 
 log = logging.getLogger("run")
 
@@ -39,10 +42,11 @@ class RoleCount:
 
 @dataclass
 class RunConfig:
-    name: str = opt("run", "Run name: runs/<name>/ and the learner's run (weight announcements).")
+    name: str = opt("run", "Run name: runs/<name>/ and pipeline.run (weight announcements, topic prefix).")
     out_dir: str = opt("", "Output directory. Empty: runs/<name>.")
     kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster. bootstrap empty: start a local broker for the run.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="The topic plan, created at start (idempotent).")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="The contract every role gets (its run: "
+                                                                   "name); its topic plan is created at start.")
     feeder: dict[str, Any] = opt(factory=dict, help="Feeder config keys (config explain feeder). {} = no feeder.")
     producers: RoleCount = opt(factory=RoleCount, help="Producer processes.")
     verifiers: RoleCount = opt(factory=RoleCount, help="Verifier processes.")
@@ -53,6 +57,10 @@ class RunConfig:
 
     def validate(self) -> None:
         require(bool(self.learner), "learner: a run needs a learner section")
+        for role, section in (("feeder", self.feeder), ("producers.config", self.producers.config),
+                              ("verifiers.config", self.verifiers.config), ("learner", self.learner)):
+            require("pipeline" not in section, f"{role}.pipeline: the contract is the run's pipeline section "
+                                               f"(one for every role); move these keys there")
         require(self.producers.count >= 0 and self.verifiers.count >= 0, "producers/verifiers.count: must be >= 0")
         require(self.max_restarts >= 0, "max_restarts: must be >= 0")
 
@@ -60,18 +68,22 @@ class RunConfig:
     def out(self) -> Path:
         return Path(self.out_dir or f"runs/{self.name}")
 
+    @property
+    def contract(self) -> PipelineContract:
+        return dataclasses.replace(self.pipeline, run=self.name)
+
 
 def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
     """Each role's complete config (shared kafka/topics merged in), validated with the role's own schema."""
-    from learner.config import LearnerConfig
-    from producers.config import ProducerConfig
-    from producers.feeder import FeederConfig
-    from verifiers.config import VerifierConfig
+    from grpo_learner.config import LearnerConfig
+    from grpo_producers.config import ProducerConfig
+    from grpo_producers.feeder import FeederConfig
+    from grpo_verifiers.config import VerifierConfig
 
-    shared = {"kafka": {**to_dict(cfg.kafka), "bootstrap": bootstrap}, "topics": to_dict(cfg.topics)}
+    shared = {"kafka": {**to_dict(cfg.kafka), "bootstrap": bootstrap}, "pipeline": to_dict(cfg.contract)}
     sections: dict[str, tuple[type, dict[str, Any]]] = {
-        "learner": (LearnerConfig, {"run": cfg.name, "out_dir": str(cfg.out), **cfg.learner}),
-        "producer": (ProducerConfig, {"run": cfg.name, **cfg.producers.config}),
+        "learner": (LearnerConfig, {"out_dir": str(cfg.out), **cfg.learner}),
+        "producer": (ProducerConfig, cfg.producers.config),
         "verifier": (VerifierConfig, cfg.verifiers.config),
     }
     if cfg.feeder:
@@ -91,8 +103,8 @@ def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
 def _check_knobs(resolved: dict[str, dict[str, Any]]) -> None:
     """Cross-role settings that would deadlock the run: a backlog limit below one learner batch means the
     producers pause before the learner has enough groups to take its first step."""
-    from learner.config import LearnerConfig
-    from producers.config import ProducerConfig
+    from grpo_learner.config import LearnerConfig
+    from grpo_producers.config import ProducerConfig
 
     backlog = build(ProducerConfig, resolved["producer"], "").max_backlog_groups
     batch = build(LearnerConfig, resolved["learner"], "").groups_per_batch
@@ -244,14 +256,14 @@ def write_configs(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> dict[s
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The learner's metrics.jsonl so far (a line being written right now is skipped)."""
-    from learner.lineage import read_lines
+    from grpo_learner.lineage import read_lines
 
     return list(read_lines(path))
 
 
 def summarize(cfg: RunConfig, wall_s: float, supervisor: Supervisor, extra: dict[str, Any]) -> dict[str, Any]:
     """summary.json: what the run did, from the learner's own records."""
-    from learner.lineage import read_lines
+    from grpo_learner.lineage import read_lines
 
     lineage = list(read_lines(cfg.out / "lineage.jsonl"))
     trained = [e for line in lineage for e in line["trained"]]
@@ -312,9 +324,9 @@ def execute(cfg: RunConfig, tty: bool | None = None,
             on_tick: Callable[[], None] | None = None) -> tuple[dict[str, Any], int]:
     """Run the pipeline described by ``cfg`` to its end; returns (summary, exit code). ``on_tick`` runs about
     twice a second in the supervisor (the demo evaluates published weights from it)."""
+    from grpo_core.kafka_io import make_admin
+    from grpo_core.topics import ensure_topics
     from grpo_stream.broker import LocalBroker, free_port
-    from grpo_stream.kafka_io import make_admin
-    from grpo_stream.topics import ensure_topics
 
     tty = sys.stdout.isatty() if tty is None else tty
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -329,7 +341,7 @@ def execute(cfg: RunConfig, tty: bool | None = None,
     sup = Supervisor(cfg, sink=lambda name, line: _route(progress, tty, name, line))
     try:
         admin = make_admin(KafkaConfig(**{**to_dict(cfg.kafka), "bootstrap": bootstrap}))
-        ensure_topics(admin, cfg.topics)
+        ensure_topics(admin, cfg.contract)
         admin.close()
         paths = write_configs(cfg, role_configs(cfg, bootstrap))
         _install_signals(sup, progress)
@@ -377,7 +389,7 @@ def _install_signals(sup: Supervisor, progress: Progress) -> None:
 
 
 def main(config: str, overrides: list[str]) -> int:
-    from grpo_stream.config import load_config
+    from grpo_core.config import load_config
     from grpo_stream.report import write_report
 
     cfg = load_config(RunConfig, config, overrides)

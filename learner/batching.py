@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from grpo_stream.wire import ScoredGroup
+from grpo_core.wire import ScoredGroup
 
 
 @dataclass
@@ -82,7 +82,7 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[Tensor | Sequenc
     """Stack the completions of ``groups`` (in order, completion order within a group) into one :class:`Batch`.
 
     ``advantages[g]`` holds one advantage per completion of ``groups[g]`` (computed by the caller, e.g.
-    :mod:`learner.advantages`); it is repeated over the row's tokens by the loss, not here.
+    :mod:`grpo_learner.advantages`); it is repeated over the row's tokens by the loss, not here.
     Raises ValueError on a completion with an empty prompt (its first token would have no prefix to be
     predicted from) or advantages that do not match the group sizes.
     """

@@ -4,7 +4,7 @@ Layout: ``<dir>/step-00000042/{model/model.safetensors, trainer.pt, meta.json}``
 newest one. A checkpoint is written into a hidden temporary directory, fsynced, then renamed into place, and only
 then does ``latest`` move (also by rename): a process killed at any instant leaves either the previous checkpoint
 or the new one, never a torn mix. The offsets inside are what make training exactly-once (see
-``learner.source.GroupSource``): they are the position right after the last group this model state contains.
+``grpo_learner.source.GroupSource``): they are the position right after the last group this model state contains.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo_stream.fsutil import fsync_dir
+from grpo_core.fsutil import fsync_dir
 
 LATEST = "latest"
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_stream.config import KafkaConfig, MetricsConfig, TopicsConfig, opt, require
-from grpo_stream.weight_store import WeightStoreConfig
-from learner.advantages import AdvantageConfig
-from learner.loss import LossConfig
+from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
+from grpo_core.contract import PipelineContract
+from grpo_core.weights.config import WeightStoreConfig
+from grpo_learner.advantages import AdvantageConfig
+from grpo_learner.loss import LossConfig
 
 
 @dataclass
@@ -48,25 +50,21 @@ class OptimConfig:
 class LearnerConfig:
     """One learner process: consume scored groups, train, publish weights, checkpoint."""
 
-    run: str = opt("grpo", "Run name: key of the weight announcements and default output directory.")
-    out_dir: str = opt("", "Where checkpoints/ and lineage.jsonl go. Empty: runs/<run>.")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="What every role agrees on (grpo_core.contract).")
+    out_dir: str = opt("", "Where checkpoints/ and lineage.jsonl go. Empty: runs/<pipeline.run>.")
     kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan).")
     metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
     model: ModelConfig = opt(factory=lambda: ModelConfig(path=""), help="The policy model.")
     loss: LossConfig = opt(factory=LossConfig, help="The surrogate objective (learner/loss.py).")
     advantages: AdvantageConfig = opt(factory=AdvantageConfig, help="Rewards -> advantages (eq. 2, 8).")
     optim: OptimConfig = opt(factory=OptimConfig, help="Optimizer.")
     weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where published weights go.")
-    consumer_group: str = opt("learner", "Consumer group on the groups topic (its lag = the backlog).")
     start_from: Literal["earliest", "latest"] = opt(
         "earliest", "Where a run without a checkpoint starts reading the groups topic.")
-    group_size: int = opt(16, "Expected G; groups of another size go to the dlq.")
     accept_partial: bool = opt(True, "Train groups a verifier published as partial (fewer than G members).")
     groups_per_batch: int = opt(8, "B: scored groups per learner step.")
     grad_steps_per_batch: int = opt(1, "i (paper): optimizer steps taken on each batch.")
     publish_every: int = opt(1, "v (paper): publish weights every v learner steps.")
-    max_staleness: int = opt(4, "Drop groups generated more than this many learner steps ago (-1: never).")
     micro_batch_tokens: int = opt(16384, "Token budget (rows x padded length) of one forward/backward.")
     max_seq_len: int = opt(0, "Longest prompt+completion accepted (0: the model's max_position_embeddings).")
     max_steps: int = opt(0, "Stop after this many learner steps (0: run until stopped).")
@@ -82,7 +80,6 @@ class LearnerConfig:
     seed: int = opt(0, "Seed for torch/numpy/python RNGs.")
 
     def validate(self) -> None:
-        require(self.group_size >= 1, "group_size: must be >= 1")
         require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
         require(self.grad_steps_per_batch >= 1, "grad_steps_per_batch: must be >= 1 (the paper's i)")
         require(self.publish_every >= 1, "publish_every: must be >= 1 (the paper's v)")
@@ -90,5 +87,7 @@ class LearnerConfig:
         require(self.checkpoint_every >= 1, "checkpoint_every: must be >= 1")
         require(self.max_steps >= 0 and self.stage_steps >= 0, "max_steps/stage_steps: must be >= 0")
         require(self.dedup_window >= 1000, "dedup_window: must be >= 1000")
-        if self.loss.agg == "seq_mean_token_sum_norm":
-            require(self.loss.max_len_norm >= 1, "loss.max_len_norm: set it to the producers' max_tokens")
+
+    def loss_config(self) -> LossConfig:
+        """The loss config with ``max_len_norm`` resolved: Dr.GRPO's constant is the longest completion."""
+        return dataclasses.replace(self.loss, max_len_norm=self.loss.max_len_norm or self.pipeline.max_new_tokens)

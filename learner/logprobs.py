@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from learner.batching import Batch
+from grpo_learner.batching import Batch
 
 DEFAULT_CHUNK_TOKENS = 1024
 # Config attributes of HF models whose logits are not just lm_head(hidden): these take the full-forward path.

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_stream.config import opt, require
+from grpo_core.config import opt, require
 
 Variant = Literal["grpo_offpolicy_approx", "grpo_offpolicy_exact", "gspo", "decoupled_ppo"]
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
@@ -58,8 +58,9 @@ class LossConfig:
         "seq_mean_token_mean: GRPO (token mean per sequence, then mean over sequences); token_mean: DAPO "
         "(arXiv 2503.14476; mean over all tokens of the batch); seq_mean_token_sum_norm: Dr.GRPO "
         "(arXiv 2503.20783; per-sequence sum / max_len_norm, then mean over sequences).")
-    max_len_norm: int = opt(
-        1024, "The Dr.GRPO constant dividing each sequence's token sum (usually the max new tokens).")
+    max_len_norm: int | None = opt(
+        None, "The Dr.GRPO constant dividing each sequence's token sum. null: the pipeline contract's "
+              "max_new_tokens (the learner fills it in).")
     is_correction: ISCorrection | None = opt(
         None,
         "Generator/learner mismatch correction with w = pi_k/alpha per token (needs proximal logprobs): "
@@ -80,7 +81,7 @@ class LossConfig:
         require(self.beta >= 0.0,
                 f"loss.beta: the KL coefficient must be >= 0 (0 disables the KL term), got {self.beta}")
         require(self.is_cap > 0.0, f"loss.is_cap: must be > 0 (2.0 is usual), got {self.is_cap}")
-        require(self.max_len_norm >= 1,
+        require(self.max_len_norm is None or self.max_len_norm >= 1,
                 f"loss.max_len_norm: must be >= 1 (set it to the generation's max new tokens), "
                 f"got {self.max_len_norm}")
 
@@ -101,7 +102,7 @@ class LossInputs:
     behaviour_logprobs: Tensor  # log alpha(y_t | ...), reported by the generator that sampled y
     proximal_logprobs: Tensor | None  # log pi_k(y_t | ...), learner's weights before this step, no grad
     ref_logprobs: Tensor | None  # log pi_ref(y_t | ...) for the KL term; needed when beta > 0
-    advantages: Tensor  # A_alpha(x, y), one per sequence (learner.advantages.group_advantages)
+    advantages: Tensor  # A_alpha(x, y), one per sequence (grpo_learner.advantages.group_advantages)
     mask: Tensor  # 1 / True on completion tokens that count, 0 / False on prompt and padding
 
 
@@ -372,7 +373,10 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     weight = is_w if is_w is not None else s.weight
     per_token = s.objective if weight is None else s.objective * weight
     aggregate = _AGGREGATIONS[cfg.agg]
-    objective = aggregate(per_token, p.mask, cfg.max_len_norm)
+    if cfg.agg == "seq_mean_token_sum_norm" and cfg.max_len_norm is None:
+        raise ValueError("loss.max_len_norm: seq_mean_token_sum_norm needs the constant (LearnerConfig.loss_config "
+                         "fills in the pipeline's max_new_tokens)")
+    objective = aggregate(per_token, p.mask, cfg.max_len_norm or 1)
     kl = objective.new_zeros(())
     if cfg.beta > 0.0:
         assert inputs.ref_logprobs is not None  # _prepare raised otherwise

@@ -9,7 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from grpo_stream.metrics import dead_letter_counter
+from grpo_core.metrics import dead_letter_counter
 
 # Gauges that mirror a StepStats metric of the same name (loss, kl, clip fractions, ratios, rewards, ...).
 STEP_GAUGES = ("loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "entropy",

@@ -15,17 +15,18 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_stream.config import load_config, to_dict
-from grpo_stream.kafka_io import DeadLetters, make_consumer, make_producer
-from grpo_stream.process import serve
-from grpo_stream.weight_store import WeightPublisher, latest_announcement
-from learner import checkpoint
-from learner.config import LearnerConfig, ModelConfig
-from learner.lineage import Lineage
-from learner.metrics import LearnerMetrics
-from learner.source import GroupSource, Pick, SourceRules, lineage_entries
-from learner.staleness import staleness
-from learner.trainer import DTYPES, StepStats, Trainer
+from grpo_core import wire
+from grpo_core.config import load_config, to_dict
+from grpo_core.kafka_io import DeadLetters, assigned_lag, make_consumer, make_producer
+from grpo_core.process import serve
+from grpo_core.staleness import staleness
+from grpo_core.weights import WeightPublisher, latest_announcement
+from grpo_learner import checkpoint
+from grpo_learner.config import LearnerConfig, ModelConfig
+from grpo_learner.lineage import Lineage
+from grpo_learner.metrics import LearnerMetrics
+from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
+from grpo_learner.trainer import DTYPES, StepStats, Trainer
 
 log = logging.getLogger("learner")
 
@@ -38,10 +39,20 @@ def load_model(cfg: ModelConfig, path: str | Path | None = None) -> torch.nn.Mod
     return model.to(cfg.device)
 
 
+def announcement_is_behind(latest: wire.WeightsAnnouncement | None, step: int, publish_every: int,
+                           contract: str) -> bool:
+    """Whether a (re)starting learner must publish its weights now: nothing announced yet, the last announcement
+    older than the last publish step the checkpoint implies, or from a learner with another contract (a run name
+    reused with other settings: the producers refuse those weights, and would wait for the next publication)."""
+    if latest is None:
+        return True
+    return latest.version < step - step % publish_every or latest.contract != contract
+
+
 class Learner:
     def __init__(self, cfg: LearnerConfig) -> None:
         self.cfg = cfg
-        self.out = Path(cfg.out_dir or f"runs/{cfg.run}")
+        self.out = Path(cfg.out_dir or f"runs/{cfg.pipeline.run}")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.ckpt = checkpoint.load_latest(self.out / "checkpoints")
@@ -49,16 +60,20 @@ class Learner:
         self.trainer = Trainer(cfg, model)
         self.step = 0
         self.metrics = LearnerMetrics(self.out / "metrics.jsonl")
-        self.producer = make_producer(cfg.kafka, "learner")
-        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "learner",
+        self.sender = make_producer(cfg.kafka, "learner")
+        self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "learner",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
         max_len = cfg.max_seq_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        rules = SourceRules(cfg.group_size, cfg.accept_partial, cfg.max_staleness, max_len,
+        rules = SourceRules(cfg.pipeline.group_size, cfg.accept_partial, cfg.pipeline.max_staleness, max_len,
                             cfg.advantages.zero_variance == "drop")
-        consumer = make_consumer(cfg.kafka, "learner", cfg.consumer_group)
-        self.source = GroupSource(consumer, cfg.topics.groups.name, self.dead, rules, cfg.dedup_window)
+        consumer = make_consumer(cfg.kafka, "learner", cfg.pipeline.group("learner"))
+        self.source = GroupSource(consumer, cfg.pipeline.topic("groups"), self.dead, rules, cfg.dedup_window)
         # Its own uncompressed producer: weight chunks do not compress, lz4 would only burn CPU.
-        self.publisher = WeightPublisher(cfg.weights, cfg.kafka, cfg.topics, cfg.run)
+        if cfg.weights.kind == "kafka":
+            cfg.weights.kafka.check_fits(cfg.kafka, cfg.pipeline.topic_spec("weight_data"))
+        self.publisher = WeightPublisher(cfg.weights, cfg.kafka, cfg.pipeline.topic("weights"),
+                                         cfg.pipeline.topic("weight_data"), cfg.pipeline.run,
+                                         contract=cfg.pipeline.digest())
         self.lineage = Lineage(self.out / "lineage.jsonl")
         self.stopping = False
         self.last_group_at = time.monotonic()
@@ -80,9 +95,9 @@ class Learner:
         if dropped:
             log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
         self.source.start(offsets, self.cfg.start_from)
-        latest = latest_announcement(self.cfg.kafka, self.cfg.topics.weights.name, self.cfg.run)
-        last_publish_step = self.step - self.step % self.cfg.publish_every
-        if self.cfg.publish_initial and (latest is None or latest.version < last_publish_step):
+        latest = latest_announcement(self.cfg.kafka, self.cfg.pipeline.topic("weights"), self.cfg.pipeline.run)
+        if self.cfg.publish_initial and announcement_is_behind(latest, self.step, self.cfg.publish_every,
+                                                               self.cfg.pipeline.digest()):
             self.publish()
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -134,17 +149,15 @@ class Learner:
         return self.stopping or idle
 
     def _lag(self) -> int:
-        consumer = self.source.consumer
-        ends = consumer.end_offsets(list(consumer.assignment()))
-        return sum(max(0, end - self.source.position.get(tp.partition, end)) for tp, end in ends.items())
+        return assigned_lag(self.source.consumer, self.source.position)
 
     # ---- durable effects ---------------------------------------------------------------------------
     def save_checkpoint(self) -> float:
         t0 = time.perf_counter()
         self.lineage.sync()
         state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
-        meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.run,
-                "topic": self.cfg.topics.groups.name, "saved_at": time.time()}
+        meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.pipeline.run,
+                "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time()}
         path = checkpoint.save(self.out / "checkpoints", self.step, {"model": self.trainer.model}, state, meta,
                                keep=self.cfg.keep_checkpoints)
         self.ckpt = checkpoint.Checkpoint(path, {**meta, "step": self.step})
@@ -165,13 +178,13 @@ class Learner:
     def close(self) -> None:
         self.source.consumer.close()
         self.publisher.close()
-        self.producer.close()
+        self.sender.close()
         self.lineage.close()
         self.metrics.close()
 
 
-def main(config: str | None, overrides: list[str]) -> int:
-    cfg = load_config(LearnerConfig, config, overrides)
+def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
+    cfg = load_config(LearnerConfig, config, overrides, pipeline_file=pipeline)
     learner = Learner(cfg)
     (learner.out / "learner-config.yaml").write_text(_yaml(to_dict(cfg)))
 

@@ -17,12 +17,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kafka import KafkaConsumer, TopicPartition
-
-from grpo_stream import wire
-from grpo_stream.kafka_io import DeadLetters, commit_processed, with_retry
-from learner.advantages import is_zero_variance
-from learner.staleness import staleness, too_stale
+from grpo_core import wire
+from grpo_core.kafka_io import Consumer, DeadLetters, Partition, commit_processed, with_retry
+from grpo_core.staleness import staleness, too_stale
+from grpo_core.stats import is_zero_variance
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ class SourceRules:
 
 
 class GroupSource:
-    def __init__(self, consumer: KafkaConsumer, topic: str, dead: DeadLetters, rules: SourceRules,
+    def __init__(self, consumer: Consumer, topic: str, dead: DeadLetters, rules: SourceRules,
                  dedup_window: int) -> None:
         self.consumer, self.topic, self.dead, self.rules = consumer, topic, dead, rules
         self.queue: deque[Item] = deque()
@@ -78,7 +76,7 @@ class GroupSource:
             return found
 
         parts = sorted(with_retry(partitions, f"learner: metadata of {self.topic}"))
-        tps = [TopicPartition(self.topic, p) for p in parts]
+        tps = [Partition(self.topic, p) for p in parts]
         self.consumer.assign(tps)
         for tp in tps:
             if offsets is not None and tp.partition in offsets:
@@ -110,7 +108,7 @@ class GroupSource:
 
     def commit(self) -> None:
         """Publish progress to the consumer group (visibility only; the checkpoint is the source of truth)."""
-        commit_processed(self.consumer, {TopicPartition(self.topic, p): o for p, o in self.position.items()})
+        commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in self.position.items()})
 
     def _poll(self, poll_ms: int, max_records: int) -> None:
         for tp, msgs in self.consumer.poll(timeout_ms=poll_ms, max_records=max_records).items():
@@ -126,7 +124,8 @@ class GroupSource:
         """Why a decodable group still cannot be trained (it then goes to the dlq), or ''."""
         r = self.rules
         if g.group_size != r.group_size:
-            return f"wrong_group_size: {g.group_size} != {r.group_size}"
+            return (f"wrong_group_size: the group says G={g.group_size}, the pipeline contract "
+                    f"G={r.group_size}")
         if g.partial and not r.accept_partial:
             return "partial_group"
         longest = max((len(c.prompt_token_ids) + len(c.completion_token_ids) for c in g.completions), default=0)

@@ -1,6 +1,6 @@
 """One learner step on a batch of scored groups: advantages -> collate -> i optimizer steps of the loss.
 
-The math lives in ``learner.loss`` and ``learner.advantages``; this module only feeds it tensors, accumulates
+The math lives in ``grpo_learner.loss`` and ``grpo_learner.advantages``; this module only feeds it tensors, accumulates
 gradients over token-budget micro-batches and applies the optimizer. A step whose loss or gradient is not
 finite is skipped (gradients discarded) and reported, never applied.
 """
@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from grpo_stream import wire
-from learner.advantages import group_advantages, is_zero_variance
-from learner.batching import Batch, collate, microbatches
-from learner.config import LearnerConfig
-from learner.logprobs import completion_logprobs, completion_logprobs_with_entropy
-from learner.loss import LossInputs, compute_loss
+from grpo_core import wire
+from grpo_core.stats import population_std
+from grpo_learner.advantages import group_advantages, is_zero_variance
+from grpo_learner.batching import Batch, collate, microbatches
+from grpo_learner.config import LearnerConfig
+from grpo_learner.logprobs import completion_logprobs, completion_logprobs_with_entropy
+from grpo_learner.loss import LossInputs, compute_loss
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +41,7 @@ class Trainer:
 
     def __init__(self, cfg: LearnerConfig, model: torch.nn.Module) -> None:
         self.cfg = cfg
+        self.loss_cfg = cfg.loss_config()
         self.model = model
         self.device = torch.device(cfg.model.device)
         o = cfg.optim
@@ -66,7 +68,8 @@ class Trainer:
     def train_step(self, groups: list[wire.ScoredGroup]) -> StepStats:
         stats = StepStats()
         t0 = time.perf_counter()
-        advantages = [group_advantages(g.rewards, self.cfg.advantages).float() for g in groups]
+        eps = self.cfg.pipeline.stats_eps
+        advantages = [group_advantages(g.rewards, self.cfg.advantages, eps).float() for g in groups]
         batch = collate(groups, advantages, self.pad_id)
         stats.tokens = int(batch.num_tokens)  # tokens processed (throughput), before eq. 8 masks any
         if self.cfg.advantages.zero_variance == "mask":
@@ -82,7 +85,7 @@ class Trainer:
         for _ in range(self.cfg.grad_steps_per_batch):
             self._grad_step(batch, micro, proximal, ref, stats)
         stats.metrics["reward_mean"] = float(sum(sum(g.rewards) for g in groups) / sum(len(g.rewards) for g in groups))
-        stats.metrics["reward_std"] = _std([r for g in groups for r in g.rewards])
+        stats.metrics["reward_std"] = population_std([r for g in groups for r in g.rewards])
         stats.metrics["lr"] = self.scheduler.get_last_lr()[0]
         return stats
 
@@ -107,7 +110,7 @@ class Trainer:
                 logprobs=logp, behaviour_logprobs=mb.behaviour_logprobs.to(logp.dtype),
                 proximal_logprobs=proximal[k] if proximal is not None else None,
                 ref_logprobs=ref[k] if ref is not None else None,
-                advantages=mb.advantages.to(logp.dtype), mask=mb.completion_mask), self.cfg.loss)
+                advantages=mb.advantages.to(logp.dtype), mask=mb.completion_mask), self.loss_cfg)
             weight = self._micro_weight(mb, batch)
             t1 = time.perf_counter()
             finite = finite and bool(torch.isfinite(out.loss))
@@ -160,6 +163,3 @@ class Trainer:
             self.ref_model.load_state_dict(state["ref_model"])
 
 
-def _std(values: list[float]) -> float:
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))

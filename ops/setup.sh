@@ -116,6 +116,12 @@ install_kafka() {
 # CLI plugin (built from the Go module proxy; only the client, no daemon). kubectl (kustomize) ships with the
 # machine image; hadolint and kubernetes-validate come with the dev extras.
 install_ops_tools() {
+  # PyPI's `verifiers` (an RL environments library): tests/test_packaging.py installs it beside our wheel.
+  if ! ls "$CACHE"/wheels/verifiers-0.4.0-*.whl >/dev/null 2>&1; then
+    say "fetching the verifiers==0.4.0 wheel (the packaging test installs it beside grpo-stream)"
+    mkdir -p "$CACHE/wheels"
+    "${PY}" -m pip download --disable-pip-version-check -q --no-deps -d "$CACHE/wheels" "verifiers==0.4.0"
+  fi
   if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
     if can_apt; then say "installing prometheus (promtool) with apt"; apt_install prometheus
     else say "note: promtool/prometheus missing (ops tests need them): sudo apt-get install prometheus"; fi

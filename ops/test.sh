@@ -11,6 +11,8 @@ TMP="$ROOT/.cache/pytest-tmp"
 cleanup() { pkill -TERM -f "kafka.Kafka .*$TMP" 2>/dev/null || true; sleep 1; pkill -KILL -f "kafka.Kafka .*$TMP" 2>/dev/null || true; }
 trap cleanup EXIT
 .venv/bin/ruff check .
+# The import contract (pyproject.toml [tool.importlinter]): the layers, the Kafka seam, a torch-free verifier.
+.venv/bin/lint-imports
 set +e
 .venv/bin/python -m pytest --basetemp="$TMP" -p no:cacheprovider "$@"
 rc=$?

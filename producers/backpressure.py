@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from kafka import KafkaAdminClient
 
-from grpo_stream.kafka_io import consumer_lag, with_retry
+from grpo_core.config import ConfigError
+from grpo_core.contract import PipelineContract, check_staleness_bound
+from grpo_core.kafka_io import Admin, consumer_lag, with_retry
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,8 @@ class LiveKnobs:
     """The knobs, refreshed from an optional YAML file whenever its mtime changes; a bad edit is logged and
     ignored (the previous values stay), never fatal."""
 
-    def __init__(self, knobs: Knobs, path: str) -> None:
-        self.knobs, self.path = knobs, Path(path) if path else None
+    def __init__(self, knobs: Knobs, path: str, contract: PipelineContract) -> None:
+        self.knobs, self.path, self.contract = knobs, Path(path) if path else None, contract
         self._mtime: float | None = None
 
     def refresh(self) -> Knobs:
@@ -55,7 +56,8 @@ class LiveKnobs:
                         int(data.get("max_version_lag", self.knobs.max_version_lag)))
             if new.max_backlog_groups < 0 or new.max_version_lag < -1:
                 raise ValueError("max_backlog_groups must be >= 0 and max_version_lag >= -1")
-        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError) as exc:
+            check_staleness_bound(new.max_version_lag, self.contract, "max_version_lag")
+        except (OSError, ValueError, TypeError, AttributeError, yaml.YAMLError, ConfigError) as exc:
             log.error("control file %s ignored: %s", self.path, exc)
             return self.knobs
         if new != self.knobs:
@@ -67,21 +69,18 @@ class LiveKnobs:
 class Backlog:
     """Reads the backlog from committed offsets (the same numbers Kafka lag tools show)."""
 
-    def __init__(self, admin: KafkaAdminClient, groups_topic: str, learner_group: str, completions_topic: str,
-                 verifier_group: str, group_size: int) -> None:
-        self.admin = admin
-        self.groups_topic, self.learner_group = groups_topic, learner_group
-        self.completions_topic, self.verifier_group = completions_topic, verifier_group
-        self.group_size = group_size
+    def __init__(self, admin: Admin, contract: PipelineContract) -> None:
+        self.admin, self.contract = admin, contract
 
     def groups(self) -> int:
         """Backlog in groups. An I/O edge: a coordinator still loading (new group, broker restart) is retried."""
         return with_retry(self._groups, "producer: read the backlog", attempts=5, backoff_s=0.2)
 
     def _groups(self) -> int:
-        unlearned = sum(consumer_lag(self.admin, self.learner_group, self.groups_topic).values())
-        unscored = sum(consumer_lag(self.admin, self.verifier_group, self.completions_topic).values())
-        return unlearned + unscored // self.group_size
+        c = self.contract
+        unlearned = sum(consumer_lag(self.admin, c.group("learner"), c.topic("groups")).values())
+        unscored = sum(consumer_lag(self.admin, c.group("verifiers"), c.topic("completions")).values())
+        return unlearned + unscored // c.group_size
 
 
 def pause_reason(knobs: Knobs, backlog: int | None, own_version: int, newest_version: int) -> str:

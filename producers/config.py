@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from grpo_stream.config import KafkaConfig, MetricsConfig, TopicsConfig, opt, require
-from grpo_stream.weight_store import WeightStoreConfig
-from producers.backends.base import BackendConfig, SamplingConfig
+from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
+from grpo_core.contract import PipelineContract, check_staleness_bound
+from grpo_core.weights.config import WeightStoreConfig
+from grpo_producers.backends.base import BackendConfig, SamplingConfig
 
 
 @dataclass
@@ -14,23 +16,20 @@ class ProducerConfig:
     """One generation worker: prompts in, G completions per prompt out, weights hot-swapped."""
 
     producer_id: str = opt("", "Stamped on every completion. Empty: <hostname>-<pid>.")
-    run: str = opt("grpo", "Whose weight announcements to follow (the learner's run name).")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="What every role agrees on (grpo_core.contract).")
     kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan).")
     metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
     backend: BackendConfig = opt(factory=lambda: BackendConfig(model=""), help="Generation engine (hf|vllm).")
-    sampling: SamplingConfig = opt(factory=SamplingConfig, help="Sampling parameters.")
+    sampling: SamplingConfig = opt(factory=SamplingConfig, help="Sampling parameters (max_tokens: at most "
+                                                                "pipeline.max_new_tokens, the default).")
     weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where announced weights are fetched from.")
-    group_size: int = opt(16, "G: completions generated per prompt (one group).")
     prompts_per_batch: int = opt(8, "Prompts taken per generation batch (batch = prompts x G sequences).")
-    consumer_group: str = opt("producers", "Consumer group on the prompts topic: N producers share the work.")
-    learner_group: str = opt("learner", "The learner's consumer group on groups (its lag is the backlog).")
-    verifier_group: str = opt("verifiers", "The verifiers' group on completions (unscored work in flight).")
     max_backlog_groups: int = opt(
         0, "Pause while groups not yet consumed by the learner (+ unscored ones) reach this. 0: no limit. Live. "
         "Keep it >= the learner's groups_per_batch, or the learner never gets a full batch.")
-    max_version_lag: int = opt(
-        -1, "Block while the newest announced version is ahead of ours by more than this. -1: off. Live.")
+    max_version_lag: int | None = opt(
+        None, "Block while the newest announced version is ahead of ours by more than this; at most "
+              "pipeline.max_staleness. null: pipeline.max_staleness (-1 there: off). Live.")
     control_file: str = opt(
         "", "Optional YAML with max_backlog_groups / max_version_lag, re-read when it changes (a mounted "
         "ConfigMap in k8s): the live knobs.")
@@ -45,8 +44,20 @@ class ProducerConfig:
     idle_timeout_s: float = opt(0.0, "Exit when no prompt arrives for this long (0: wait forever).")
 
     def validate(self) -> None:
-        require(1 <= self.group_size <= 4096, "group_size: must be in [1, 4096]")
         require(self.prompts_per_batch >= 1, "prompts_per_batch: must be >= 1")
         require(self.max_backlog_groups >= 0, "max_backlog_groups: must be >= 0 (0 disables the limit)")
-        require(self.max_version_lag >= -1, "max_version_lag: must be >= -1 (-1 disables the check)")
+        if self.max_version_lag is not None:
+            check_staleness_bound(self.max_version_lag, self.pipeline, "max_version_lag")
+        limit = self.pipeline.max_new_tokens
+        require(self.sampling.max_tokens is None or self.sampling.max_tokens <= limit,
+                f"sampling.max_tokens: {self.sampling.max_tokens} exceeds pipeline.max_new_tokens={limit}")
         require(self.backpressure_poll_s > 0, "backpressure_poll_s: must be > 0")
+
+    @property
+    def version_lag(self) -> int:
+        """The max_version_lag in force: the configured one, else the contract's staleness bound."""
+        return self.pipeline.max_staleness if self.max_version_lag is None else self.max_version_lag
+
+    def sampling_params(self) -> SamplingConfig:
+        """Sampling with ``max_tokens`` resolved against the contract."""
+        return dataclasses.replace(self.sampling, max_tokens=self.sampling.max_tokens or self.pipeline.max_new_tokens)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo_stream.config import ConfigError, opt, require
+from grpo_core.config import ConfigError, opt, require
 
 Source = Literal["jsonl", "hf", "synthetic"]
 SyntheticTask = Literal["max", "min", "add_small", "last_digit"]
@@ -232,7 +232,8 @@ def load_hf(cfg: HfConfig, name: str, on_bad: BadItemFn) -> Iterator[DatasetItem
 # ------------------------------------------------------------------------------------------ synthetic
 
 # Each family enumerates (key, prompt, answer). Single-digit answers on purpose: a format-only warm start hits
-# them by chance often enough (>= ~10%) for GRPO to get a learning signal on a tiny CPU model (cpu-rl-notes).
+# them by chance often enough (>= ~10%) for GRPO to get a learning signal on a tiny CPU model
+# (measured: "a + b" over digits 0-9, 19 answers, stayed at chance for 3,000 steps).
 
 
 def _max_task() -> Iterator[tuple[str, str, str]]:

@@ -30,22 +30,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kafka.errors import KafkaError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from grpo_stream import wire
-from grpo_stream.config import (
+from grpo_core import wire
+from grpo_core.config import (
     ConfigError,
     KafkaConfig,
     MetricsConfig,
-    TopicsConfig,
     load_config,
     opt,
     require,
 )
-from grpo_stream.kafka_io import consumer_lag, make_admin, make_producer, partitions_of, with_retry
-from grpo_stream.process import serve
-from producers.datasets import (
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import BrokerError, consumer_lag, make_admin, make_producer, partitions_of, with_retry
+from grpo_core.process import serve
+from grpo_producers.datasets import (
     LOADERS,
     DatasetItem,
     HfConfig,
@@ -66,7 +65,8 @@ class FeederConfig:
     name: str = opt("feeder", "Dataset/run name: prefix of content-hash prompt ids and of the state file name.")
     out_dir: str = opt("", "Directory of the default state file. Empty: .cache.")
     kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan); publishes to topics.prompts.")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="What every role agrees on; publishes to "
+                                                                   "the prompts topic.")
     metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
     source: Source = opt("jsonl", "Which dataset section below is read: jsonl, hf or synthetic.")
     jsonl: JsonlConfig = opt(factory=JsonlConfig, help="source: jsonl settings.")
@@ -79,7 +79,6 @@ class FeederConfig:
     rate_limit_per_s: float = opt(0.0, "At most this many records per second, evenly spaced; 0: unlimited.")
     max_ahead: int = opt(
         0, "Pause while the producers' consumer group has this many unconsumed prompts (its lag); 0: no pause.")
-    consumer_group: str = opt("producers", "The producers' consumer group on the prompts topic (for max_ahead).")
     lag_poll_s: float = opt(1.0, "How often to re-check the lag while paused by max_ahead.")
     max_prompt_chars: int = opt(65536, "Skip (and count) prompts longer than this; 0: no cap. Token caps are "
                                        "the producer's job.")
@@ -241,12 +240,12 @@ class Feeder:
         self.state = load_state(self.state_path, schedule_fingerprint(self.items, cfg), cfg.resume)
         self.epoch, self.position = self.state.epoch, self.state.position
         self.per_epoch = len(self.items) * cfg.sample_rounds
-        self.topic = cfg.topics.prompts.name
+        self.topic = cfg.pipeline.topic("prompts")
         self.producer = make_producer(cfg.kafka, "feeder")
         self.admin = make_admin(cfg.kafka, "feeder-admin")
         try:
             partitions_of(self.admin, self.topic)
-        except KafkaError as exc:
+        except BrokerError as exc:
             self.close()
             raise ConfigError(f"topics.prompts.name: topic {self.topic!r} is not available ({exc}); "
                               "create the plan with `grpo-stream topics create`") from None
@@ -347,8 +346,8 @@ class Feeder:
             return True
         while not self.stopping:
             # Retried: a young cluster answers CoordinatorNotAvailable until its offsets topic exists.
-            lag = with_retry(lambda: consumer_lag(self.admin, self.cfg.consumer_group, self.topic),
-                             f"feeder: lag of {self.cfg.consumer_group}")
+            group = self.cfg.pipeline.group("producers")
+            lag = with_retry(lambda g=group: consumer_lag(self.admin, g, self.topic), f"feeder: lag of {group}")
             ahead = sum(lag.values())
             self.metrics.ahead.set(ahead)
             if ahead < self.cfg.max_ahead:
@@ -371,9 +370,9 @@ class Feeder:
         self.admin.close()
 
 
-def main(config: str | None, overrides: list[str]) -> int:
+def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
     """``grpo-stream feed``: run until the epochs are exhausted (exit 0) or SIGTERM/SIGINT (state saved, exit 0)."""
-    cfg = load_config(FeederConfig, config, overrides)
+    cfg = load_config(FeederConfig, config, overrides, pipeline_file=pipeline)
     feeder = Feeder(cfg)
     return serve(feeder.metrics.registry, cfg.metrics, feeder.health, feeder.run, feeder.stop, feeder.close,
                  "saving progress after the broker acknowledges what was sent")

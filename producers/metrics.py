@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from grpo_stream.metrics import dead_letter_counter
+from grpo_core.metrics import dead_letter_counter
 
 
 class ProducerMetrics:

@@ -17,22 +17,29 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kafka import TopicPartition
-from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError
 from transformers import AutoTokenizer
 
-from grpo_stream import wire
-from grpo_stream.config import load_config
-from grpo_stream.kafka_io import DeadLetters, commit_processed, make_admin, make_consumer, make_producer
-from grpo_stream.process import reuse_freed_memory, serve
-from grpo_stream.weight_store import WeightFetcher, WeightFetchError
-from producers.backends import make_backend
-from producers.backends.base import Sample
-from producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
-from producers.config import ProducerConfig
-from producers.metrics import ProducerMetrics
-from producers.weights import Swap, WeightSubscriber
+from grpo_core import wire
+from grpo_core.config import load_config
+from grpo_core.kafka_io import (
+    BrokerError,
+    DeadLetters,
+    Partition,
+    Record,
+    commit_processed,
+    make_admin,
+    make_consumer,
+    make_producer,
+)
+from grpo_core.process import reuse_freed_memory, serve
+from grpo_core.retry import retry
+from grpo_core.weights import WeightFetcher, WeightFetchError
+from grpo_core.weights.subscriber import Swap, WeightSubscriber
+from grpo_producers.backends import make_backend
+from grpo_producers.backends.base import Sample
+from grpo_producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
+from grpo_producers.config import ProducerConfig
+from grpo_producers.metrics import ProducerMetrics
 
 log = logging.getLogger("producer")
 
@@ -41,7 +48,7 @@ log = logging.getLogger("producer")
 class Job:
     """One prompt of the current batch, ready to generate."""
 
-    msg: ConsumerRecord
+    msg: Record
     task: wire.PromptTask
     prompt_ids: list[int]
 
@@ -53,21 +60,22 @@ class Producer:
         self.metrics = ProducerMetrics()
         self.backend = make_backend(cfg.backend)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.backend.tokenizer or cfg.backend.model)
-        self.producer = make_producer(cfg.kafka, "producer")
-        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "producer",
+        self.sampling = cfg.sampling_params()
+        self.sender = make_producer(cfg.kafka, "producer")
+        self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "producer",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
-        self.prompts = make_consumer(cfg.kafka, "producer", cfg.consumer_group, [cfg.topics.prompts.name],
-                                     max_poll_interval_ms=cfg.max_poll_interval_ms,
+        self.prompts = make_consumer(cfg.kafka, "producer", cfg.pipeline.group("producers"),
+                                     [cfg.pipeline.topic("prompts")], max_poll_interval_ms=cfg.max_poll_interval_ms,
                                      session_timeout_ms=cfg.session_timeout_ms,
                                      heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
         self.admin = make_admin(cfg.kafka, "producer")
-        self.backlog = Backlog(self.admin, cfg.topics.groups.name, cfg.learner_group, cfg.topics.completions.name,
-                               cfg.verifier_group, cfg.group_size)
-        self.knobs = LiveKnobs(Knobs(cfg.max_backlog_groups, cfg.max_version_lag), cfg.control_file)
-        stream = (cfg.topics.weight_data.name, cfg.run) if cfg.weights.kind == "kafka" and cfg.weights.stream else None
-        self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None), cfg.topics.weights.name,
-                                        cfg.run, WeightFetcher(cfg.weights, cfg.kafka, stream=stream),
-                                        cfg.initial_version)
+        self.backlog = Backlog(self.admin, cfg.pipeline)
+        self.knobs = LiveKnobs(Knobs(cfg.max_backlog_groups, cfg.version_lag), cfg.control_file, cfg.pipeline)
+        stream_run = cfg.pipeline.run if cfg.weights.kind == "kafka" else None
+        fetcher = WeightFetcher(cfg.weights, cfg.kafka, cfg.pipeline.topic("weight_data"), stream_run=stream_run)
+        self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None),
+                                        cfg.pipeline.topic("weights"), cfg.pipeline.run, fetcher, cfg.initial_version,
+                                        contract=cfg.pipeline.digest())
         self.metrics.version.set(cfg.initial_version)
         self.stopping = False
         self.batches = 0
@@ -104,7 +112,7 @@ class Producer:
             self.metrics.newest_version.set(self.weights.newest_version)
             try:
                 backlog = self.backlog.groups() if knobs.max_backlog_groups > 0 else None
-            except KafkaError as exc:  # cannot tell how far ahead we are: wait rather than run away
+            except BrokerError as exc:  # cannot tell how far ahead we are: wait rather than run away
                 log.warning("backlog unknown (%s); pausing", exc)
                 backlog = knobs.max_backlog_groups
             if backlog is not None:
@@ -133,7 +141,7 @@ class Producer:
         return swap
 
     # ---- one batch ---------------------------------------------------------------------------------
-    def take_prompts(self) -> tuple[list[Job], dict[TopicPartition, int]]:
+    def take_prompts(self) -> tuple[list[Job], dict[Partition, int]]:
         """Poll up to a batch of prompts; dead-letter the ones that cannot be generated."""
         polled = self.prompts.poll(timeout_ms=1000, max_records=self.cfg.prompts_per_batch)
         jobs, next_offsets = [], {}
@@ -160,7 +168,7 @@ class Producer:
                                                      add_generation_prompt=True, tokenize=True)
         else:
             ids = self.tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
-        budget = self.backend.max_context() - self.cfg.sampling.max_tokens
+        budget = self.backend.max_context() - (self.sampling.max_tokens or 0)
         if len(ids) > budget:
             return [], f"prompt_too_long: {len(ids)} tokens > {budget} (context - max_tokens)"
         if not ids:
@@ -181,8 +189,8 @@ class Producer:
         for job, group in zip(jobs, samples, strict=True):
             for index, sample in enumerate(group):
                 record = self._completion(job, index, sample, version, attempt, gen_s)
-                futures.append(self.producer.send(self.cfg.topics.completions.name, key=job.task.group_id.encode(),
-                                                  value=wire.encode(record)))
+                futures.append(self.sender.send(self.cfg.pipeline.topic("completions"), key=job.task.group_id.encode(),
+                                                value=wire.encode(record)))
         for future in futures:
             future.get(timeout=120)  # every completion acknowledged before the prompt offsets are committed
         if swap is not None:
@@ -198,19 +206,25 @@ class Producer:
 
     def _generate(self, prompts: list[list[int]]) -> list[list[Sample]] | None:
         """One retry for a failed batch (a transient engine hiccup); then the caller dead-letters it."""
-        for attempt in (1, 2):
+        def attempt() -> list[list[Sample]]:
             try:
-                return self.backend.generate(prompts, self.cfg.group_size, self.cfg.sampling)
-            except Exception as exc:  # any engine failure: the batch's prompts must not crash the service
+                return self.backend.generate(prompts, self.cfg.pipeline.group_size, self.sampling)
+            except Exception:
                 self.metrics.generation_errors.inc()
-                log.exception("generation failed (attempt %d/2): %s", attempt, exc)
-        return None
+                raise
+
+        try:
+            return retry(attempt, "generation", attempts=2, backoff_s=0.5, transient=(Exception,))
+        except Exception as exc:  # any engine failure: the batch's prompts must not crash the service
+            log.exception("generation failed twice: %s", exc)
+            return None
 
     def _completion(self, job: Job, index: int, sample: Sample, version: int, attempt: str,
                     gen_s: float) -> wire.Completion:
         t = job.task
         return wire.Completion(
-            group_id=t.group_id, index=index, group_size=self.cfg.group_size, prompt_id=t.prompt_id, task=t.task,
+            group_id=t.group_id, index=index, group_size=self.cfg.pipeline.group_size, prompt_id=t.prompt_id,
+            task=t.task,
             prompt_token_ids=job.prompt_ids, completion_token_ids=sample.token_ids,
             behaviour_logprobs=sample.logprobs, policy_version=version, producer_id=self.id,
             finish_reason=sample.finish_reason, prompt=t.prompt, completion=sample.text, epoch=t.epoch,
@@ -222,15 +236,15 @@ class Producer:
 
     def close(self) -> None:
         for closer in (self.prompts.close, self.weights.consumer.close, self.weights.fetcher.close,
-                       self.producer.close, self.admin.close, self.backend.close):
+                       self.sender.close, self.admin.close, self.backend.close):
             try:
                 closer()
             except Exception as exc:  # closing is best effort; report and go on
                 log.warning("close: %s", exc)
 
 
-def main(config: str | None, overrides: list[str]) -> int:
-    cfg = load_config(ProducerConfig, config, overrides)
+def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
+    cfg = load_config(ProducerConfig, config, overrides, pipeline_file=pipeline)
     if cfg.weights.kind == "kafka":
         reuse_freed_memory()  # weight versions arrive as hundreds of multi-MiB buffers per GB
     producer = Producer(cfg)
@@ -238,6 +252,9 @@ def main(config: str | None, overrides: list[str]) -> int:
     def run() -> None:
         log.info("producer %s stopped after %d batches", producer.id, producer.run())
 
-    return serve(producer.metrics.registry, cfg.metrics,
-                 lambda: (not producer.stopping, {"version": producer.weights.version}), run, producer.stop,
+    def health() -> tuple[bool, dict[str, object]]:
+        refused = producer.weights.refused
+        return not producer.stopping and not refused, {"version": producer.weights.version, "refused": refused}
+
+    return serve(producer.metrics.registry, cfg.metrics, health, run, producer.stop,
                  producer.close, "finishing the current batch")

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from kafka import KafkaAdminClient
 
+from grpo_core.config import KafkaConfig
+from grpo_core.contract import PipelineContract
+from grpo_core.topics import ensure_topics
 from grpo_stream.broker import LocalBroker, free_port
-from grpo_stream.config import KafkaConfig, TopicsConfig
-from grpo_stream.topics import ensure_topics
 
 
 @pytest.fixture(scope="session")
@@ -68,12 +69,10 @@ def unique() -> Callable[[str], str]:
 
 
 @pytest.fixture
-def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> TopicsConfig:
-    """The whole topic plan under a unique prefix, created on the session broker."""
-    plan = TopicsConfig()
-    prefix = unique("plan")
-    for spec in plan.all():
-        spec.name = f"{prefix}-{spec.name}"
+def plan(admin: KafkaAdminClient, unique: Callable[[str], str]) -> PipelineContract:
+    """A pipeline contract of a run of its own (so its topics and consumer groups are unique), its topics created
+    on the session broker."""
+    plan = PipelineContract(run=unique("plan"))
     ensure_topics(admin, plan)
     return plan
 

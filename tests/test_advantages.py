@@ -1,4 +1,4 @@
-"""learner.advantages: eq. 2 of arXiv 2505.22257 against values worked out by hand."""
+"""grpo_learner.advantages: eq. 2 of arXiv 2505.22257 against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from grpo_stream.config import ConfigError, build
-from learner.advantages import AdvantageConfig, group_advantages, group_stats, is_zero_variance
+from grpo_core.config import ConfigError, build
+from grpo_learner.advantages import AdvantageConfig, group_advantages, group_stats, is_zero_variance
+
+EPS = 1e-4  # the pipeline contract's default stats_eps
 
 
 def as_list(t: torch.Tensor) -> list[float]:
@@ -19,7 +21,7 @@ def as_list(t: torch.Tensor) -> list[float]:
 def test_balanced_group() -> None:
     # mu = 0.5; var = (4 * 0.25) / 4 = 0.25; sigma = sqrt(0.25 + 1e-4)
     a = 0.5 / math.sqrt(0.2501)
-    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig()))
+    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig(), EPS))
     assert got == pytest.approx([a, -a, -a, a], abs=1e-15)
 
 
@@ -27,7 +29,7 @@ def test_one_correct_in_four() -> None:
     # mu = 0.25; var = (0.75^2 + 3 * 0.25^2) / 4 = 0.1875 (population: divide by G, not G - 1)
     sigma = math.sqrt(0.1875 + 1e-4)
     expected = [0.75 / sigma, -0.25 / sigma, -0.25 / sigma, -0.25 / sigma]
-    got = as_list(group_advantages([1.0, 0.0, 0.0, 0.0], AdvantageConfig()))
+    got = as_list(group_advantages([1.0, 0.0, 0.0, 0.0], AdvantageConfig(), EPS))
     assert got == pytest.approx(expected, abs=1e-15)
     assert sum(expected) == pytest.approx(0.0, abs=1e-12)
 
@@ -35,13 +37,13 @@ def test_one_correct_in_four() -> None:
 def test_eps_sits_inside_the_sqrt() -> None:
     # eps = 0.5: sigma = sqrt(0.25 + 0.5) = sqrt(0.75), not std + eps = 1.0
     a = 0.5 / math.sqrt(0.75)
-    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig(eps=0.5)))
+    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig(), eps=0.5))
     assert got == pytest.approx([a, -a, -a, a], abs=1e-15)
     assert got[0] != pytest.approx(0.5 / (0.5 + 0.5))
 
 
 def test_dr_grpo_subtracts_the_mean_only() -> None:
-    got = as_list(group_advantages([1, 0, 0, 0], AdvantageConfig(normalize_std=False)))
+    got = as_list(group_advantages([1, 0, 0, 0], AdvantageConfig(normalize_std=False), EPS))
     assert got == pytest.approx([0.75, -0.25, -0.25, -0.25], abs=1e-15)
 
 
@@ -49,14 +51,14 @@ def test_dr_grpo_subtracts_the_mean_only() -> None:
 def test_zero_variance_mask_gives_exact_zeros(rewards: list[float]) -> None:
     cfgs = (AdvantageConfig(), AdvantageConfig(zero_variance="drop"), AdvantageConfig(normalize_std=False))
     for cfg in cfgs:
-        assert as_list(group_advantages(rewards, cfg)) == [0.0] * len(rewards)
+        assert as_list(group_advantages(rewards, cfg, EPS)) == [0.0] * len(rewards)
 
 
 def test_zero_variance_keep_uses_the_formula() -> None:
     # all equal: r - mu is zero up to rounding, so keep is ~0 but not forced to exact zeros
-    got = as_list(group_advantages([0.1, 0.1, 0.1], AdvantageConfig(zero_variance="keep")))
+    got = as_list(group_advantages([0.1, 0.1, 0.1], AdvantageConfig(zero_variance="keep"), EPS))
     assert got == pytest.approx([0.0] * 3, abs=1e-12)
-    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig(zero_variance="keep")))
+    got = as_list(group_advantages([1, 0, 0, 1], AdvantageConfig(zero_variance="keep"), EPS))
     assert got[0] == pytest.approx(0.5 / math.sqrt(0.2501), abs=1e-15)
 
 
@@ -80,24 +82,24 @@ def test_group_stats() -> None:
 
 def test_tensor_input_matches_list_input() -> None:
     rewards = [1.0, 0.0, 0.5, 0.0]  # all exact in float32
-    expected = as_list(group_advantages(rewards, AdvantageConfig()))
+    expected = as_list(group_advantages(rewards, AdvantageConfig(), EPS))
     for dtype in (torch.float32, torch.float64):
-        got = group_advantages(torch.tensor(rewards, dtype=dtype), AdvantageConfig())
+        got = group_advantages(torch.tensor(rewards, dtype=dtype), AdvantageConfig(), EPS)
         assert as_list(got) == pytest.approx(expected, abs=1e-15)
-    got = group_advantages(torch.tensor([1, 0, 0, 1]), AdvantageConfig())
-    assert as_list(got) == pytest.approx(as_list(group_advantages([1.0, 0.0, 0.0, 1.0], AdvantageConfig())))
+    got = group_advantages(torch.tensor([1, 0, 0, 1]), AdvantageConfig(), EPS)
+    assert as_list(got) == pytest.approx(as_list(group_advantages([1.0, 0.0, 0.0, 1.0], AdvantageConfig(), EPS)))
     assert group_stats(torch.tensor([1.0, 0.0, 0.0, 1.0]), 1e-4) == pytest.approx((0.5, math.sqrt(0.2501)))
 
 
 @pytest.mark.parametrize("rewards", [[], [1.0, math.nan], [math.inf, 0.0]])
 def test_bad_rewards_raise(rewards: list[float]) -> None:
     with pytest.raises(ValueError, match="rewards"):
-        group_advantages(rewards, AdvantageConfig())
+        group_advantages(rewards, AdvantageConfig(), EPS)
     with pytest.raises(ValueError, match="rewards"):
         group_stats(rewards, 1e-4)
 
 
-@pytest.mark.parametrize("change", [{"eps": 0.0}, {"eps": -1e-4}, {"eps": 1.0}, {"zero_variance": "skip"}])
+@pytest.mark.parametrize("change", [{"zero_variance": "skip"}])
 def test_validate_rejects(change: dict[str, object]) -> None:
     key = next(iter(change))
     with pytest.raises(ValueError, match=f"advantages.{key}"):

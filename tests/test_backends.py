@@ -1,7 +1,7 @@
 """Producer generation backends: config, the shared stop rule, HF and (slow) real vLLM engines.
 
 The central property: a backend's behaviour logprobs equal the learner's recomputation of the same tokens
-(``learner.batching.collate`` + ``learner.logprobs.completion_logprobs``) -- measured and printed here.
+(``grpo_learner.batching.collate`` + ``grpo_learner.logprobs.completion_logprobs``) -- measured and printed here.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grpo_stream import wire
-from grpo_stream.config import ConfigError, load_config
+from grpo_core import wire
+from grpo_core.config import ConfigError, load_config
+from grpo_learner.batching import collate
+from grpo_learner.logprobs import completion_logprobs
+from grpo_producers.backends import Backend, BackendConfig, Sample, SamplingConfig, make_backend
+from grpo_producers.backends.base import check_request, stop_cut
+from grpo_producers.backends.hf import HFBackend
 from grpo_stream.tiny_model import build_tiny_model
-from learner.batching import collate
-from learner.logprobs import completion_logprobs
-from producers.backends import Backend, BackendConfig, Sample, SamplingConfig, make_backend
-from producers.backends.base import check_request, stop_cut
-from producers.backends.hf import HFBackend
 
 EOS = 0  # the tiny tokenizer's <|endoftext|> (EOS and padding)
 PROMPTS = ["12+7=", "max(3,8)=", "Q: What is 3*4?\nA:"]  # different token lengths (left padding is exercised)
@@ -180,7 +180,7 @@ def test_stop_cut() -> None:
 
 def test_make_backend_table() -> None:
     assert Backend.__doc__ and isinstance(HFBackend.name, str)
-    from producers.backends.base import BACKENDS
+    from grpo_producers.backends.base import BACKENDS
 
     assert set(BACKENDS) == {"hf", "vllm"}
     with pytest.raises(ConfigError):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_stream import wire
+from grpo_core import wire
+from grpo_learner.batching import Batch, collate, microbatches
+from grpo_learner.logprobs import completion_logprobs, completion_logprobs_with_entropy, token_logprobs
 from grpo_stream.tiny_model import build_tiny_model
-from learner.batching import Batch, collate, microbatches
-from learner.logprobs import completion_logprobs, completion_logprobs_with_entropy, token_logprobs
 
 PAD = 99
 

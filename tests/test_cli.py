@@ -51,23 +51,23 @@ def test_kafka_up_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_topics_create_against_the_session_broker(kafka_bootstrap: str, unique: Callable) -> None:
-    p = unique("cli")
-    names = [f"topics.{t}.name={p}-{t}" for t in ("prompts", "completions", "groups", "weights", "weight_data", "dlq")]
-    first = run("topics", "create", "--config", "configs/topics.yaml", f"kafka.bootstrap={kafka_bootstrap}", *names)
-    assert first.stdout.count("created") == 6
-    second = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", *names)
+    run_name = unique("cli")
+    first = run("topics", "create", "--pipeline", "configs/pipeline.yaml", f"kafka.bootstrap={kafka_bootstrap}",
+                f"pipeline.run={run_name}")
+    assert first.stdout.count("created") == 6 and f"{run_name}.groups: created" in first.stdout
+    second = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", f"pipeline.run={run_name}")
     assert second.stdout.count("exists, matches the plan") == 6
-    bad = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", *names, "topics.groups.partitions=9",
-              check=False)
+    bad = run("topics", "create", f"kafka.bootstrap={kafka_bootstrap}", f"pipeline.run={run_name}",
+              "pipeline.topics.groups.partitions=9", check=False)
     assert bad.returncode == 2 and "partitions is 4, plan says 9" in bad.stderr
 
 
 def test_bad_override_is_a_clear_error() -> None:
-    proc = run("topics", "create", "topics.groups.partitionz=3", check=False)
+    proc = run("topics", "create", "pipeline.topics.groups.partitionz=3", check=False)
     assert proc.returncode == 2 and "did you mean 'partitions'" in proc.stderr
 
 
-@pytest.mark.parametrize(("role", "key"), [("topics", "topics.groups.partitions = 4"),
+@pytest.mark.parametrize(("role", "key"), [("topics", "pipeline.topics.groups.partitions = 4"),
                                            ("learner", "publish_every = 1"), ("producer", "max_backlog_groups = 0"),
                                            ("verifier", "group_timeout_s = 300.0"), ("feeder", "epochs = 1")])
 def test_config_explain(role: str, key: str) -> None:

@@ -8,26 +8,28 @@ from typing import Literal
 
 import pytest
 
-from grpo_stream.config import (
+from grpo_core.config import (
     ConfigError,
     KafkaConfig,
     TopicsConfig,
-    TopicsFileConfig,
     explain,
     load_config,
     opt,
     require,
 )
+from grpo_core.contract import PipelineContract
+from grpo_core.topics import TopicsFileConfig
+from grpo_learner.config import LearnerConfig
+from grpo_producers.config import ProducerConfig
+from grpo_producers.feeder import FeederConfig
 from grpo_stream.run import RunConfig, role_configs
-from learner.config import LearnerConfig
-from producers.config import ProducerConfig
-from producers.feeder import FeederConfig
-from verifiers.config import VerifierConfig
+from grpo_verifiers.config import VerifierConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # Every config file the project ships, with the typed config it must parse as. A new file must be added here.
-SHIPPED = {"topics.yaml": TopicsFileConfig, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig,
+SHIPPED = {"pipeline.yaml": PipelineContract, "learner.yaml": LearnerConfig, "feeder.yaml": FeederConfig,
            "producer.yaml": ProducerConfig, "verifier.yaml": VerifierConfig}
+PIPELINE = REPO / "configs" / "pipeline.yaml"
 
 
 @dataclass
@@ -58,8 +60,20 @@ def test_every_shipped_config_parses(name: str) -> None:
         assert set(role_configs(cfg, "127.0.0.1:9092")) >= {"learner", "producer", "verifier"}
         return
     assert name in SHIPPED, f"configs/{name} is not registered in SHIPPED with its config class"
-    cfg = load_config(SHIPPED[name], REPO / "configs" / name, ignore_unknown_top=True)
-    assert cfg is not None
+    if SHIPPED[name] is PipelineContract:
+        cfg = load_config(PipelineContract, PIPELINE)
+        assert cfg.topic("groups") == "gsm8k-qwen0.5b-v10-i1.groups"
+        return
+    # Strict, as the role loads it at start-up (with the shared contract file): a misspelt key fails here.
+    cfg = load_config(SHIPPED[name], REPO / "configs" / name, pipeline_file=PIPELINE)
+    assert cfg.pipeline == load_config(PipelineContract, PIPELINE)
+
+
+def test_a_misspelt_key_in_a_role_config_fails_like_at_start_up(tmp_path: Path) -> None:
+    bad = tmp_path / "learner.yaml"
+    bad.write_text((REPO / "configs/learner.yaml").read_text() + "publish_evry: 3\n")
+    with pytest.raises(ConfigError, match="publish_evry: unknown key; did you mean 'publish_every'"):
+        load_config(LearnerConfig, bad, pipeline_file=PIPELINE)
 
 
 def test_run_config_refuses_a_backlog_below_one_batch() -> None:
@@ -81,7 +95,7 @@ def test_paper_grid_knobs() -> None:
 
 def test_shipped_topic_plan_equals_the_code_default() -> None:
     # The YAML documents the plan; it must not silently drift from the defaults the code uses.
-    assert load_config(TopicsFileConfig, REPO / "configs/topics.yaml").topics == TopicsConfig()
+    assert load_config(PipelineContract, PIPELINE).topics == TopicsConfig()
 
 
 def test_yaml_and_overrides(tmp_path: Path) -> None:
@@ -92,7 +106,7 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
 
 
 def test_partial_nested_section_keeps_other_defaults() -> None:
-    cfg = load_config(TopicsFileConfig, None, ["topics.groups.partitions=8"])
+    cfg = load_config(TopicsFileConfig, None, ["pipeline.topics.groups.partitions=8"]).pipeline
     assert cfg.topics.groups.partitions == 8
     assert cfg.topics.groups.name == "groups" and cfg.topics.weights.cleanup_policy == "compact"
 
@@ -129,11 +143,11 @@ def test_file_errors(tmp_path: Path) -> None:
 
 def test_topic_plan_validation() -> None:
     with pytest.raises(ConfigError, match="names must be distinct"):
-        load_config(TopicsFileConfig, None, ["topics.dlq.name=groups"])
+        load_config(TopicsFileConfig, None, ["pipeline.topics.dlq.name=groups"])
     with pytest.raises(ConfigError, match="must be compact"):
-        load_config(TopicsFileConfig, None, ["topics.weights.cleanup_policy=delete"])
+        load_config(TopicsFileConfig, None, ["pipeline.topics.weights.cleanup_policy=delete"])
     with pytest.raises(ConfigError, match="partitions: must be >= 1"):
-        load_config(TopicsFileConfig, None, ["topics.groups.partitions=0"])
+        load_config(TopicsFileConfig, None, ["pipeline.topics.groups.partitions=0"])
 
 
 def test_kafka_security_validation(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,5 +166,5 @@ def test_explain_lists_every_leaf_with_help() -> None:
     assert "inner.rate = 0.5  # a rate" in lines
     assert any(line.startswith("tags = []") for line in lines)
     topic_lines = list(explain(TopicsFileConfig))
-    assert "topics.weights.cleanup_policy = 'compact'  # cleanup.policy." in topic_lines
+    assert "pipeline.topics.weights.cleanup_policy = 'compact'  # cleanup.policy." in topic_lines
     assert any(line.startswith("kafka.bootstrap = None") for line in topic_lines)

@@ -18,12 +18,12 @@ import pytest
 from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
-from grpo_stream import wire
-from grpo_stream.config import ConfigError, KafkaConfig, load_config
-from grpo_stream.kafka_io import make_consumer
-from producers import datasets
-from producers.datasets import SyntheticConfig, load_synthetic, stable_id, synthetic_eval_ids
-from producers.feeder import BadItems, Feeder, FeederConfig, FeederMetrics, load_items
+from grpo_core import wire
+from grpo_core.config import ConfigError, KafkaConfig, load_config
+from grpo_core.kafka_io import make_consumer
+from grpo_producers import datasets
+from grpo_producers.datasets import SyntheticConfig, load_synthetic, stable_id, synthetic_eval_ids
+from grpo_producers.feeder import BadItems, Feeder, FeederConfig, FeederMetrics, load_items
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = [f"What is {i} + {i}?" for i in range(8)]
@@ -39,8 +39,9 @@ def write_jsonl(path: Path) -> Path:
 
 
 def feeder_cfg(kafka_cfg: KafkaConfig, topic: str, tmp_path: Path, *overrides: str) -> FeederConfig:
-    base = [f"kafka.bootstrap={kafka_cfg.resolved_bootstrap()}", f"topics.prompts.name={topic}", "name=ds",
-            f"state_path={tmp_path / 'state.json'}", "metrics.port=-1"]
+    base = [f"kafka.bootstrap={kafka_cfg.resolved_bootstrap()}", "pipeline.prefix=''",
+            f"pipeline.topics.prompts.name={topic}", "name=ds", f"state_path={tmp_path / 'state.json'}",
+            "metrics.port=-1"]
     if not any(o.startswith("source=") for o in overrides):
         base += [f"jsonl.paths=[{write_jsonl(tmp_path / 'data.jsonl')}]", "jsonl.metadata_fields=[level]"]
     return load_config(FeederConfig, None, [*base, *overrides])
@@ -197,10 +198,11 @@ def test_crash_repeats_only_the_unsaved_tail(kafka_cfg: KafkaConfig, new_topic: 
 
 def test_sigterm_saves_exact_progress(kafka_cfg: KafkaConfig, new_topic: Callable[..., str], tmp_path: Path) -> None:
     topic = new_topic("prompts", 2)
-    overrides = [f"kafka.bootstrap={kafka_cfg.resolved_bootstrap()}", f"topics.prompts.name={topic}",
+    overrides = [f"kafka.bootstrap={kafka_cfg.resolved_bootstrap()}", "pipeline.prefix=''",
+                 f"pipeline.topics.prompts.name={topic}",
                  "source=synthetic", "synthetic.tasks=[add_small]", "synthetic.split=all", "epochs=0",
                  "rate_limit_per_s=40", "flush_every=1000", f"state_path={tmp_path / 'state.json'}", "metrics.port=0"]
-    code = "import sys; from producers.feeder import main; sys.exit(main(None, sys.argv[1:]))"
+    code = "import sys; from grpo_producers.feeder import main; sys.exit(main(None, sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", code, *overrides], cwd=REPO, env=os.environ.copy(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -243,7 +245,7 @@ def test_max_ahead_pauses_until_producers_consume(kafka_cfg: KafkaConfig, new_to
                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
     topic, group = new_topic("prompts", 1), unique("producers")
     cfg = feeder_cfg(kafka_cfg, topic, tmp_path, "max_ahead=3", "flush_every=1", "lag_poll_s=0.05",
-                     f"consumer_group={group}")
+                     f"pipeline.groups.producers={group}")
     feeder = Feeder(cfg)
     thread = threading.Thread(target=feeder.run, daemon=True)
     thread.start()
@@ -325,7 +327,7 @@ def test_state_from_another_schedule_is_refused(tmp_path: Path) -> None:
     state = tmp_path / "s.json"
     base = ["source=synthetic", f"state_path={state}", "kafka.bootstrap=127.0.0.1:1"]
     items = load_items(load_config(FeederConfig, None, base), BadItems(FeederMetrics()))
-    from producers.feeder import FeederState, save_state, schedule_fingerprint
+    from grpo_producers.feeder import FeederState, save_state, schedule_fingerprint
 
     save_state(state, FeederState(schedule_fingerprint(items, load_config(FeederConfig, None, base)), 0, 5))
     with pytest.raises(ConfigError, match="another dataset or seed"):

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, TopicPartition
 
-from grpo_stream import wire
-from grpo_stream.bench.wire import make_completion
-from grpo_stream.broker import LocalBroker, free_port
-from grpo_stream.config import KafkaConfig
-from grpo_stream.kafka_io import (
+from grpo_core import wire
+from grpo_core.config import KafkaConfig
+from grpo_core.kafka_io import (
     DeadLetters,
     client_settings,
     commit_processed,
@@ -24,6 +22,8 @@ from grpo_stream.kafka_io import (
     make_producer,
     redacted,
 )
+from grpo_stream.bench.wire import make_completion
+from grpo_stream.broker import LocalBroker, free_port
 
 
 def _small_completion(group: int, index: int) -> wire.Completion:

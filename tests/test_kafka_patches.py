@@ -10,7 +10,7 @@ import pytest
 from kafka.net.transport import KafkaTCPTransport
 from kafka.protocol.frame import KafkaBytes
 
-from grpo_stream import kafka_io, kafka_patches  # noqa: F401  (kafka_io applies the patches on import)
+from grpo_core import kafka_io, kafka_patches  # noqa: F401  (kafka_io applies the patches on import)
 
 
 def test_both_patches_are_applied_to_the_pinned_kafka_python() -> None:
@@ -55,3 +55,24 @@ def test_socket_receive_drains_everything_then_reports_a_close() -> None:
         assert got == b"" and isinstance(err, errors.KafkaConnectionError)
     finally:
         a.close()
+
+
+def test_another_kafka_python_release_is_refused_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upgrade must not drop the speed-up silently: another release stops the process with what to do."""
+    import kafka
+
+    monkeypatch.setattr(kafka_patches, "_applied", {})
+    monkeypatch.setattr(kafka, "__version__", "3.1.0")
+    monkeypatch.delenv(kafka_patches.OVERRIDE_ENV, raising=False)
+    with pytest.raises(kafka_patches.UnpatchedKafkaError, match=r"kafka-python 3.1.0 is installed.*3.0.12.*pip inst"):
+        kafka_patches.apply()
+    monkeypatch.setenv(kafka_patches.OVERRIDE_ENV, "1")  # the deliberate way to run unpatched
+    assert kafka_patches.apply() == {"KafkaTCPTransport._sock_recv": False, "KafkaBytes.read": False}
+
+
+def test_a_changed_upstream_function_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kafka_patches, "_applied", {})
+    monkeypatch.setitem(kafka_patches._EXPECTED, "KafkaBytes.read", "0" * 64)
+    monkeypatch.delenv(kafka_patches.OVERRIDE_ENV, raising=False)
+    with pytest.raises(kafka_patches.UnpatchedKafkaError, match="changed upstream: KafkaBytes.read"):
+        kafka_patches.apply()

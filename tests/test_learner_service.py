@@ -18,14 +18,15 @@ import pytest
 import yaml
 from kafka import KafkaAdminClient
 
-from grpo_stream import wire
-from grpo_stream.config import KafkaConfig, TopicsConfig
-from grpo_stream.kafka_io import make_consumer, make_producer
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, to_dict
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import make_consumer, make_producer
+from grpo_core.topics import ensure_topics
+from grpo_core.weights import FsStoreConfig, WeightFetcher, WeightStoreConfig
+from grpo_learner import checkpoint
+from grpo_learner.lineage import read_lines
 from grpo_stream.tiny_model import build_tiny_model
-from grpo_stream.topics import ensure_topics
-from grpo_stream.weight_store import WeightFetcher, WeightStoreConfig
-from learner import checkpoint
-from learner.lineage import read_lines
 
 G, B, V = 4, 2, 3
 
@@ -46,12 +47,9 @@ def synthetic_group(gid: str, version: int, rng: np.random.Generator, size: int 
                             reward_std=float(np.std(rewards)), verifier_id="test", group_size=size)
 
 
-def _topics(unique: Callable[[str], str]) -> TopicsConfig:
-    plan = TopicsConfig()
-    prefix = unique("learn")
-    for spec in plan.all():
-        spec.name = f"{prefix}-{spec.name}"
-    plan.groups.partitions = 2
+def _topics(unique: Callable[[str], str]) -> PipelineContract:
+    plan = PipelineContract(run=unique("learn"), group_size=G, max_staleness=2)
+    plan.topics.groups.partitions = 2
     return plan
 
 
@@ -79,12 +77,10 @@ def test_learner_trains_publishes_drops_and_survives_kill9(tmp_path: Path, kafka
     model_dir = build_tiny_model(tmp_path / "model")
     out = tmp_path / "run"
     cfg = {
-        "run": unique("run"), "out_dir": str(out), "kafka": {"bootstrap": kafka_cfg.bootstrap},
-        "topics": {f: {"name": getattr(plan, f).name} for f in ("prompts", "completions", "groups", "weights",
-                                                                 "weight_data", "dlq")},
+        "pipeline": to_dict(plan), "out_dir": str(out), "kafka": {"bootstrap": kafka_cfg.bootstrap},
         "model": {"path": str(model_dir)}, "optim": {"lr": 1e-3},
-        "weights": {"kind": "fs", "root": str(tmp_path / "weights")},
-        "group_size": G, "groups_per_batch": B, "publish_every": V, "max_staleness": 2,
+        "weights": {"kind": "fs", "fs": {"root": str(tmp_path / "weights")}},
+        "groups_per_batch": B, "publish_every": V,
         "checkpoint_every": 1000, "max_steps": 9, "metrics": {"port": -1},
     }
     config = tmp_path / "learner.yaml"
@@ -93,7 +89,7 @@ def test_learner_trains_publishes_drops_and_survives_kill9(tmp_path: Path, kafka
     producer = make_producer(kafka_cfg, "test")
 
     def send(value: bytes, key: str) -> None:
-        producer.send(plan.groups.name, key=key.encode(), value=value)
+        producer.send(plan.topic("groups"), key=key.encode(), value=value)
 
     valid, stale = [], []
     lineage = out / "lineage.jsonl"
@@ -148,9 +144,10 @@ def test_learner_trains_publishes_drops_and_survives_kill9(tmp_path: Path, kafka
         assert offsets == list(range(len(offsets)))
     assert len(seen) == len(valid) + len(stale) + 3  # + garbage, wrong G, duplicate
 
-    anns = _announcements(kafka_cfg, plan.weights.name, cfg["run"])
+    anns = _announcements(kafka_cfg, plan.topic("weights"), plan.run)
     assert sorted({a.version for a in anns}) == [0, 3, 6, 9]
-    fetcher = WeightFetcher(WeightStoreConfig(kind="fs", root=str(tmp_path / "weights")), kafka_cfg)
+    fetcher = WeightFetcher(WeightStoreConfig(fs=FsStoreConfig(root=str(tmp_path / "weights"))), kafka_cfg,
+                            plan.topic("weight_data"))
     final = fetcher.fetch(max(anns, key=lambda a: a.version))  # the fetcher verifies size and sha256
     assert hashlib.sha256(final.read_bytes()).hexdigest() == anns[-1].sha256
     fetcher.close()
@@ -158,7 +155,7 @@ def test_learner_trains_publishes_drops_and_survives_kill9(tmp_path: Path, kafka
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["step"] == 9 and all(np.isfinite(m["loss"]) for m in metrics)
 
-    reader = make_consumer(kafka_cfg, "test", None, [plan.dlq.name])
+    reader = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
     letters = []
     deadline = time.monotonic() + 30
     while len(letters) < 2 and time.monotonic() < deadline:

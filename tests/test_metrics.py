@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from grpo_stream.config import MetricsConfig
-from grpo_stream.metrics import MetricsServer, dead_letter_counter
+from grpo_core.config import MetricsConfig
+from grpo_core.metrics import MetricsServer, dead_letter_counter
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -66,7 +66,7 @@ def test_disabled_endpoint_binds_nothing() -> None:
 
 @pytest.mark.parametrize("port", [-2, 70000])
 def test_metrics_port_is_validated(port: int) -> None:
-    from grpo_stream.config import ConfigError
+    from grpo_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="metrics.port"):
         MetricsConfig(port=port).validate()

@@ -29,11 +29,12 @@ from typing import Any
 import pytest
 import yaml
 
+from grpo_core.config import MetricsConfig, build, load_config
+from grpo_core.contract import PipelineContract
+from grpo_core.metrics import MetricsServer
+from grpo_core.topics import broker_configs
 from grpo_stream import k8s
 from grpo_stream.broker import free_port
-from grpo_stream.config import MetricsConfig, load_config
-from grpo_stream.metrics import MetricsServer
-from grpo_stream.topics import broker_configs
 
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
@@ -80,17 +81,19 @@ def test_generated_files_are_up_to_date() -> None:
 
 
 def test_kafka_topics_match_the_cli_plan() -> None:
-    plan = k8s.load_plan(ROOT / "configs/topics.yaml")
+    plan = k8s.load_plan(ROOT / "configs/pipeline.yaml")
     docs = [d for d in yaml.safe_load_all((ROOT / k8s.TOPICS_OUT).read_text()) if d]
-    assert [d["spec"]["topicName"] for d in docs] == [s.name for s in plan.all()]
-    for doc, spec in zip(docs, plan.all(), strict=True):
+    assert [d["spec"]["topicName"] for d in docs] == [s.name for s in plan]
+    assert all(s.name.startswith("gsm8k-qwen0.5b-v10-i1.") for s in plan)  # names derive from the run
+    for doc, spec in zip(docs, plan, strict=True):
         assert doc["spec"]["partitions"] == spec.partitions
         assert doc["spec"]["replicas"] == spec.replication_factor
         assert doc["spec"]["config"] == broker_configs(spec)
 
 
 def test_kafka_topic_rendering_of_any_plan() -> None:
-    plan = k8s.load_plan(ROOT / "configs/topics.yaml", ["topics.dlq.name=Dead_Letters", "topics.groups.partitions=12"])
+    plan = k8s.load_plan(ROOT / "configs/pipeline.yaml", ["prefix=''", "topics.dlq.name=Dead_Letters",
+                                                          "topics.groups.partitions=12"])
     docs = [d for d in yaml.safe_load_all(k8s.render_kafka_topics(plan, cluster="c1")) if d]
     dlq = next(d for d in docs if d["spec"]["topicName"] == "Dead_Letters")
     assert dlq["metadata"]["name"] == "dead-letters" and dlq["metadata"]["labels"]["strimzi.io/cluster"] == "c1"
@@ -101,15 +104,35 @@ def test_kafka_topic_rendering_of_any_plan() -> None:
 
 def test_check_command_reports_drift(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    shutil.copytree(ROOT / "ops", tmp_path / "ops")
     assert k8s.main(["--root", str(tmp_path), "generate"]) == 0
     assert k8s.main(["--root", str(tmp_path), "check"]) == 0
-    cfg = tmp_path / "configs/topics.yaml"
+    cfg = tmp_path / "configs/pipeline.yaml"
     cfg.write_text(cfg.read_text().replace("partitions: 4, retention_ms: 2592000000}   # 30 days",
                                            "partitions: 8, retention_ms: 2592000000}   # 30 days"))
     (tmp_path / "configs/extra.yaml").write_text("a: 1\n")
     problems = k8s.stale_files(tmp_path)
     assert any("topics.yaml: out of date" in p for p in problems), problems
     assert any("configs/extra.yaml: missing" in p for p in problems), problems
+    assert k8s.main(["--root", str(tmp_path), "check"]) == 1
+
+
+def test_check_validates_the_manifests_against_the_contract(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    shutil.copytree(ROOT / "ops", tmp_path / "ops")
+    assert k8s.main(["--root", str(tmp_path), "check"]) == 0
+    producer = tmp_path / "ops/k8s/base/producer.yaml"
+    producer.write_text(producer.read_text().replace("            - --pipeline=/config/pipeline.yaml\n", ""))
+    keda = tmp_path / k8s.KEDA
+    keda.write_text(keda.read_text().replace("consumerGroup: gsm8k-qwen0.5b-v10-i1.verifiers",
+                                             "consumerGroup: verifiers"))
+    learner = tmp_path / "configs/learner.yaml"
+    learner.write_text(learner.read_text() + "group_size: 16\n")  # a key the contract owns now
+    problems = k8s.contract_problems(tmp_path)
+    assert any("base/producer.yaml: the producer container must pass --pipeline" in p for p in problems)
+    assert any("trigger consumerGroup is 'verifiers', the pipeline contract says "
+               "'gsm8k-qwen0.5b-v10-i1.verifiers'" in p for p in problems), problems
+    assert any("configs/learner.yaml" in p and "group_size: unknown key" in p for p in problems), problems
     assert k8s.main(["--root", str(tmp_path), "check"]) == 1
 
 
@@ -275,14 +298,15 @@ def test_configmaps_hold_the_cli_configs(path: str, built: dict[str, list[dict[s
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)
 def test_live_knobs_are_a_directory_mount(path: str, built: dict[str, list[dict[str, Any]]]) -> None:
-    from producers.config import ProducerConfig
+    from grpo_producers.config import ProducerConfig
 
     docs = built[path]
     knobs = by_kind(docs, "ConfigMap")["grpo-stream-knobs"]  # no hash suffix: edits keep the name
     assert set(yaml.safe_load(knobs["data"]["knobs.yaml"])) <= {"max_backlog_groups", "max_version_lag"}
     pod = pod_specs(docs)["producer"]
     (c,) = pod["containers"]
-    cfg = load_config(ProducerConfig, ROOT / "configs/producer.yaml", c["args"][2:])
+    cfg = load_config(ProducerConfig, ROOT / "configs/producer.yaml", c["args"][3:],
+                      pipeline_file=ROOT / "configs/pipeline.yaml")
     vol = next(v["name"] for v in pod["volumes"] if v.get("configMap", {}).get("name") == "grpo-stream-knobs")
     (mount,) = [m for m in c["volumeMounts"] if m["name"] == vol]
     assert "subPath" not in mount, "a subPath mount never sees ConfigMap updates"
@@ -291,16 +315,16 @@ def test_live_knobs_are_a_directory_mount(path: str, built: dict[str, list[dict[
 
 def role_config(role: str) -> type:
     if role == "feeder":
-        from producers.feeder import FeederConfig
+        from grpo_producers.feeder import FeederConfig
         return FeederConfig
     if role == "producer":
-        from producers.config import ProducerConfig
+        from grpo_producers.config import ProducerConfig
         return ProducerConfig
     if role == "learner":
-        from learner.config import LearnerConfig
+        from grpo_learner.config import LearnerConfig
         return LearnerConfig
     try:
-        from verifiers.config import VerifierConfig
+        from grpo_verifiers.config import VerifierConfig
     except ImportError as exc:
         pytest.fail(f"the verifier role is not importable yet ({exc}): its overrides cannot be checked",
                     pytrace=False)
@@ -328,22 +352,21 @@ def test_command_line_overrides_load(role: str) -> None:
             continue
         found += 1
         assert CLI_ROLE[args[0]] == role and args[1].startswith("--config=/config/"), (where, args)
+        assert args[2] == "--pipeline=/config/pipeline.yaml", (where, args)  # every role loads the one contract
         cfg_file = ROOT / "configs" / Path(args[1].split("=", 1)[1]).name
         assert cfg_file.is_file(), f"{where}: {cfg_file} does not exist (the ConfigMap/bind mount serves configs/)"
-        cfg = load_config(cls, cfg_file, args[2:])
+        cfg = load_config(cls, cfg_file, args[3:], pipeline_file=ROOT / "configs/pipeline.yaml")
         assert cfg.metrics.host == "0.0.0.0" and cfg.metrics.port == METRICS_PORT, where
     assert found >= 2
 
 
 def test_keda_scales_verifiers_within_the_partitions(built: dict[str, list[dict[str, Any]]]) -> None:
-    from producers.config import ProducerConfig
-
-    plan = k8s.load_plan(ROOT / "configs/topics.yaml")
+    plan = load_config(PipelineContract, ROOT / "configs/pipeline.yaml")
     (so,) = [d for d in built["overlays/production"] if d["kind"] == "ScaledObject"]
     (trig,) = so["spec"]["triggers"]
-    assert trig["metadata"]["topic"] == plan.completions.name
-    assert trig["metadata"]["consumerGroup"] == ProducerConfig().verifier_group
-    assert so["spec"]["maxReplicaCount"] <= plan.completions.partitions
+    assert trig["metadata"]["topic"] == plan.topic("completions")
+    assert trig["metadata"]["consumerGroup"] == plan.group("verifiers")
+    assert so["spec"]["maxReplicaCount"] <= plan.topics.completions.partitions
     assert all(t["spec"]["replicas"] == 3 for t in built["overlays/production"] if t["kind"] == "KafkaTopic")
 
 
@@ -440,13 +463,13 @@ def test_promtool_check_and_test_rules() -> None:
 
 def exported_metrics() -> set[str]:
     """Every sample name the code's registries export (histograms with _bucket/_sum/_count)."""
-    from learner.metrics import LearnerMetrics
-    from producers.feeder import FeederMetrics
-    from producers.metrics import ProducerMetrics
+    from grpo_learner.metrics import LearnerMetrics
+    from grpo_producers.feeder import FeederMetrics
+    from grpo_producers.metrics import ProducerMetrics
     try:
-        from verifiers.metrics import VerifierMetrics
+        from grpo_verifiers.metrics import VerifierMetrics
     except ImportError as exc:
-        pytest.fail(f"verifiers.metrics is not importable ({exc})", pytrace=False)
+        pytest.fail(f"grpo_verifiers.metrics is not importable ({exc})", pytrace=False)
     names = set()
     for m in (LearnerMetrics(), ProducerMetrics(), FeederMetrics(), VerifierMetrics()):
         for family in m.registry.collect():
@@ -537,10 +560,10 @@ def _scraped_names(port: int, want: set[str], deadline: float, every_s: float,
 
 def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
     """The Prometheus binary scrapes live MetricsServers and knows every name the rules and dashboards use."""
-    from learner.metrics import LearnerMetrics
-    from producers.feeder import FeederMetrics
-    from producers.metrics import ProducerMetrics
-    from verifiers.metrics import VerifierMetrics
+    from grpo_learner.metrics import LearnerMetrics
+    from grpo_producers.feeder import FeederMetrics
+    from grpo_producers.metrics import ProducerMetrics
+    from grpo_verifiers.metrics import VerifierMetrics
 
     prometheus = need("prometheus")
     learner, producer, feeder, verifier = LearnerMetrics(), ProducerMetrics(), FeederMetrics(), VerifierMetrics()
@@ -583,9 +606,9 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
     injected so the dead-letter and reward-error series exist, as they would in production."""
     import numpy as np
 
-    from grpo_stream import wire
-    from grpo_stream.config import KafkaConfig
-    from grpo_stream.kafka_io import make_producer
+    from grpo_core import wire
+    from grpo_core.config import KafkaConfig
+    from grpo_core.kafka_io import make_producer
     from grpo_stream.tiny_model import build_tiny_model
 
     prometheus = need("prometheus")
@@ -595,7 +618,7 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(ROOT / "configs/demo.yaml"), "name=scrape",
            f"out_dir={out}", "max_minutes=4", "producers.count=1", "producers.config.max_backlog_groups=16",
            f"learner.model.path={model}", f"producers.config.backend.model={model}",
-           f"learner.weights.root={out / 'weights'}", f"producers.config.weights.root={out / 'weights'}",
+           f"learner.weights.fs.root={out / 'weights'}", f"producers.config.weights.fs.root={out / 'weights'}",
            f"learner.metrics.port={ports['learner']}", f"producers.config.metrics.port={ports['producer']}",
            f"verifiers.config.metrics.port={ports['verifier']}", f"feeder.metrics.port={ports['feeder']}"]
     run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -605,13 +628,14 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
         while not (out / "configs/learner.yaml").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         learner_cfg = yaml.safe_load((out / "configs/learner.yaml").read_text())
-        kafka, topics = KafkaConfig(bootstrap=learner_cfg["kafka"]["bootstrap"]), learner_cfg["topics"]
+        kafka = KafkaConfig(bootstrap=learner_cfg["kafka"]["bootstrap"])
+        contract = build(PipelineContract, learner_cfg["pipeline"], "pipeline.")
         producer = make_producer(kafka, "test")
         for topic in ("prompts", "completions", "groups"):
-            producer.send(topics[topic]["name"], value=b"\x00 garbage for the dlq")
+            producer.send(contract.topic(topic), value=b"\x00 garbage for the dlq")
         rng = np.random.default_rng(0)
         for i in range(16):  # a whole group of empty completions: reward errors ("empty"), not a crash
-            producer.send(topics["completions"]["name"], key=b"empty@e0r0", value=wire.encode(wire.Completion(
+            producer.send(contract.topic("completions"), key=b"empty@e0r0", value=wire.encode(wire.Completion(
                 group_id="empty@e0r0", index=i, group_size=16, prompt_id="empty", task="exact",
                 prompt_token_ids=rng.integers(0, 200, 4, dtype=np.int32),
                 completion_token_ids=np.zeros(0, dtype=np.int32), behaviour_logprobs=np.zeros(0, dtype=np.float32),

@@ -10,7 +10,7 @@ import sys
 # tuning, counting the page faults each round costs: fresh pages for every buffer, or the same pages reused.
 _SCRIPT = """
 import resource
-from grpo_stream.process import reuse_freed_memory
+from grpo_core.process import reuse_freed_memory
 src = bytes(range(256)) * (48 * 4096)
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

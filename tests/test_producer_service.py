@@ -3,6 +3,7 @@ live knobs), weight hot-swap, bad prompts, kill -9 recovery, and two producers s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -19,13 +20,14 @@ from kafka import KafkaAdminClient, TopicPartition
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from grpo_stream import wire
-from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
-from grpo_stream.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, load_config, to_dict
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
+from grpo_core.weights import WeightPublisher
+from grpo_producers.config import ProducerConfig
+from grpo_producers.service import Producer
 from grpo_stream.tiny_model import build_tiny_model
-from grpo_stream.weight_store import WeightPublisher
-from producers.config import ProducerConfig
-from producers.service import Producer
 
 G = 2
 
@@ -35,27 +37,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def _cfg(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path, *extra: str) -> ProducerConfig:
-    base = {"kafka": {"bootstrap": kafka_cfg.bootstrap}, "topics": to_dict(plan), "metrics": {"port": -1},
-            "backend": {"kind": "hf", "model": str(model_dir)}, "sampling": {"max_tokens": 8},
-            "weights": {"kind": "fs", "root": str(tmp_path / "weights")}, "group_size": G, "prompts_per_batch": 2,
-            "backpressure_poll_s": 0.2, "run": plan.prompts.name, "consumer_group": plan.prompts.name + "-p",
-            "learner_group": plan.prompts.name + "-l", "verifier_group": plan.prompts.name + "-v"}
+def _cfg(model_dir: Path, kafka_cfg: KafkaConfig, plan: PipelineContract, tmp_path: Path,
+         *extra: str) -> ProducerConfig:
+    base = {"kafka": {"bootstrap": kafka_cfg.bootstrap}, "metrics": {"port": -1},
+            "pipeline": {**to_dict(plan), "group_size": G, "max_new_tokens": 8},
+            "backend": {"kind": "hf", "model": str(model_dir)},
+            "weights": {"kind": "fs", "fs": {"root": str(tmp_path / "weights")}}, "prompts_per_batch": 2,
+            "backpressure_poll_s": 0.2}
     path = tmp_path / f"producer-{len(list(tmp_path.glob('producer-*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(base))
     return load_config(ProducerConfig, path, list(extra))
 
 
-def feed(kafka_cfg: KafkaConfig, plan: TopicsConfig, n: int, start: int = 0, extra: list[bytes] = ()) -> list[str]:
+def feed(kafka_cfg: KafkaConfig, plan: PipelineContract, n: int, start: int = 0, extra: list[bytes] = ()) -> list[str]:
     producer = make_producer(kafka_cfg, "test")
     ids = []
     for i in range(start, start + n):
         task = wire.PromptTask(prompt_id=f"q{i}", prompt=f"max({i % 10},{(i * 7) % 10})=", task="exact",
                                metadata={"answer": str(max(i % 10, (i * 7) % 10))})
-        producer.send(plan.prompts.name, key=task.prompt_id.encode(), value=wire.encode(task))
+        producer.send(plan.topic("prompts"), key=task.prompt_id.encode(), value=wire.encode(task))
         ids.append(task.group_id)
     for raw in extra:
-        producer.send(plan.prompts.name, key=b"bad", value=raw)
+        producer.send(plan.topic("prompts"), key=b"bad", value=raw)
     producer.flush()
     producer.close()
     return ids
@@ -114,13 +117,13 @@ def _count(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, topic: str) -> int:
 
 
 def test_backpressure_stops_at_the_backlog_and_resumes(model_dir: Path, kafka_cfg: KafkaConfig,
-                                                       admin: KafkaAdminClient, plan: TopicsConfig,
+                                                       admin: KafkaAdminClient, plan: PipelineContract,
                                                        tmp_path: Path, running: Callable) -> None:
     control = tmp_path / "knobs.yaml"
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "max_backlog_groups=6", f"control_file={control}")
     feed(kafka_cfg, plan, 40)
     r = running(cfg)
-    topic = plan.completions.name
+    topic = plan.topic("completions")
     # Nobody scores completions: the backlog grows 2 groups per batch and generation stops at 6 (+ one batch).
     wait_for(lambda: r.producer.metrics.paused.labels(reason="backlog")._value.get() > 0, what="a pause")
     time.sleep(1.5)
@@ -131,7 +134,7 @@ def test_backpressure_stops_at_the_backlog_and_resumes(model_dir: Path, kafka_cf
     time.sleep(1.5)
     assert _count(kafka_cfg, admin, topic) <= (10 + 2) * G
     # Offsets advancing (the verifiers consume everything) also resumes it.
-    verifier = make_consumer(kafka_cfg, "test", cfg.verifier_group)
+    verifier = make_consumer(kafka_cfg, "test", cfg.pipeline.group("verifiers"))
     ends = end_offsets(admin, topic, range(4))
     verifier.assign([TopicPartition(topic, p) for p in ends])
     commit_processed(verifier, {TopicPartition(topic, p): o for p, o in ends.items()})
@@ -141,10 +144,11 @@ def test_backpressure_stops_at_the_backlog_and_resumes(model_dir: Path, kafka_cf
 
 
 def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: Path, kafka_cfg: KafkaConfig,
-                                                                      plan: TopicsConfig, tmp_path: Path,
+                                                                      plan: PipelineContract, tmp_path: Path,
                                                                       running: Callable) -> None:
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan, cfg.run)
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
+                                cfg.pipeline.run, contract=cfg.pipeline.digest())
     other = build_tiny_model(tmp_path / "other", seed=7)
     model = AutoModelForCausalLM.from_pretrained(other)
     weights = tmp_path / "w"
@@ -164,7 +168,7 @@ def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: 
     feed(kafka_cfg, plan, 4, start=100)
     wait_for(lambda: r.producer.batches >= 4, what="batches with the new weights")
     publisher.close()
-    got = completions(kafka_cfg, plan.completions.name)
+    got = completions(kafka_cfg, plan.topic("completions"))
     versions = {c.group_id: c.policy_version for c in got}
     assert {versions[f"q{i}@e0r0"] for i in range(4)} == {0}, "the corrupt v3 must not have been used"
     assert {versions[f"q{i}@e0r0"] for i in range(100, 104)} == {5}
@@ -174,11 +178,11 @@ def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: 
 
 
 def test_hot_swap_from_the_kafka_store_uses_the_streamed_copy(model_dir: Path, kafka_cfg: KafkaConfig,
-                                                               plan: TopicsConfig, tmp_path: Path,
+                                                               plan: PipelineContract, tmp_path: Path,
                                                                running: Callable) -> None:
     """No shared volume: the weights travel as chunks on the weight-data topic. The producer's stream assembles
     them while they are published, so the swap after the announcement does not download them again."""
-    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "weights.kind=kafka", "weights.chunk_bytes=262144")
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "weights.kind=kafka", "weights.kafka.chunk_bytes=262144")
     r = running(cfg)
     feed(kafka_cfg, plan, 2, start=0)
     wait_for(lambda: r.producer.batches >= 1, what="a batch with the initial weights")
@@ -186,7 +190,8 @@ def test_hot_swap_from_the_kafka_store_uses_the_streamed_copy(model_dir: Path, k
     (tmp_path / "w").mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
               tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan, cfg.run)
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
+                                cfg.pipeline.run, contract=cfg.pipeline.digest())
     ann = publisher.publish(2, {"model.safetensors": tmp_path / "w" / "model.safetensors"})
     assert ann.store == "kafka" and ann.num_chunks > 1
     publisher.announce(ann)
@@ -196,22 +201,22 @@ def test_hot_swap_from_the_kafka_store_uses_the_streamed_copy(model_dir: Path, k
     wait_for(lambda: r.producer.batches >= 2, what="a batch with the new weights")
     stream = r.producer.weights.fetcher.stream
     assert stream is not None and stream.hits == 1
-    versions = {c.group_id: c.policy_version for c in completions(kafka_cfg, plan.completions.name)}
+    versions = {c.group_id: c.policy_version for c in completions(kafka_cfg, plan.topic("completions"))}
     assert {versions[f"q{i}@e0r0"] for i in (100, 101)} == {2}
 
 
-def test_bad_prompts_go_to_the_dlq(model_dir: Path, kafka_cfg: KafkaConfig, plan: TopicsConfig, tmp_path: Path,
+def test_bad_prompts_go_to_the_dlq(model_dir: Path, kafka_cfg: KafkaConfig, plan: PipelineContract, tmp_path: Path,
                                    running: Callable) -> None:
     long_prompt = wire.encode(wire.PromptTask(prompt_id="long", prompt="9" * 2000, task="exact"))
     empty = wire.encode(wire.PromptTask(prompt_id="empty", prompt="   ", task="exact"))
     ids = feed(kafka_cfg, plan, 3, extra=[b"\x01garbage", long_prompt, empty])
     running(_cfg(model_dir, kafka_cfg, plan, tmp_path))
-    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.completions.name, 0.5)}) == 3,
+    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.topic("completions"), 0.5)}) == 3,
              what="the good prompts")
-    letters = [wire.decode(m.value, wire.DeadLetter) for m in _all(kafka_cfg, plan.dlq.name, 3)]
+    letters = [wire.decode(m.value, wire.DeadLetter) for m in _all(kafka_cfg, plan.topic("dlq"), 3)]
     reasons = " | ".join(d.reason for d in letters)
     assert "not msgpack" in reasons and "prompt_too_long" in reasons and "empty_prompt" in reasons
-    assert sorted({c.group_id for c in completions(kafka_cfg, plan.completions.name)}) == sorted(ids)
+    assert sorted({c.group_id for c in completions(kafka_cfg, plan.topic("completions"))}) == sorted(ids)
 
 
 def _all(kafka_cfg: KafkaConfig, topic: str, n: int) -> list:
@@ -225,16 +230,16 @@ def _all(kafka_cfg: KafkaConfig, topic: str, n: int) -> list:
 
 
 def test_two_producers_split_the_prompts_without_doing_one_twice(model_dir: Path, kafka_cfg: KafkaConfig,
-                                                                 plan: TopicsConfig, tmp_path: Path,
+                                                                 plan: PipelineContract, tmp_path: Path,
                                                                  running: Callable) -> None:
     a = running(_cfg(model_dir, kafka_cfg, plan, tmp_path, "producer_id=A"))
     b = running(_cfg(model_dir, kafka_cfg, plan, tmp_path, "producer_id=B"))
     # Steady state: both members hold partitions before prompts flow (a rebalance may legitimately re-deliver).
     wait_for(lambda: a.producer.prompts.assignment() and b.producer.prompts.assignment(), what="assignments")
     ids = feed(kafka_cfg, plan, 30)
-    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.completions.name, 0.5)}) == 30,
+    wait_for(lambda: len({c.group_id for c in completions(kafka_cfg, plan.topic("completions"), 0.5)}) == 30,
              what="all groups")
-    got = completions(kafka_cfg, plan.completions.name)
+    got = completions(kafka_cfg, plan.topic("completions"))
     identities = Counter((c.group_id, c.index) for c in got)
     assert set(identities) == {(g, i) for g in ids for i in range(G)}
     assert max(identities.values()) == 1, "a prompt was generated twice"
@@ -243,7 +248,7 @@ def test_two_producers_split_the_prompts_without_doing_one_twice(model_dir: Path
 
 @pytest.mark.slow
 def test_kill9_mid_stream_loses_no_prompt(model_dir: Path, kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
-                                          plan: TopicsConfig, tmp_path: Path) -> None:
+                                          plan: PipelineContract, tmp_path: Path) -> None:
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "idle_timeout_s=8")
     path = tmp_path / "kill.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
@@ -251,13 +256,13 @@ def test_kill9_mid_stream_loses_no_prompt(model_dir: Path, kafka_cfg: KafkaConfi
     cmd = [sys.executable, "-m", "grpo_stream.cli", "producer", "--config", str(path)]
     log = (tmp_path / "producer.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    wait_for(lambda: _count(kafka_cfg, admin, plan.completions.name) >= 10, what="some completions")
+    wait_for(lambda: _count(kafka_cfg, admin, plan.topic("completions")) >= 10, what="some completions")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert _count(kafka_cfg, admin, plan.completions.name) < 60 * G, "killed too late to test anything"
+    assert _count(kafka_cfg, admin, plan.topic("completions")) < 60 * G, "killed too late to test anything"
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     assert proc.wait(timeout=240) == 0
-    got = completions(kafka_cfg, plan.completions.name)
+    got = completions(kafka_cfg, plan.topic("completions"))
     identities = Counter((c.group_id, c.index) for c in got)
     assert set(identities) == {(g, i) for g in ids for i in range(G)}, "every prompt's whole group is there"
     # Duplicates are possible (the interrupted batch is redone) and are told apart by their attempt id.
@@ -265,3 +270,27 @@ def test_kill9_mid_stream_loses_no_prompt(model_dir: Path, kafka_cfg: KafkaConfi
         if n > 1:
             attempts = {c.metadata["attempt"] for c in got if (c.group_id, c.index) == (gid, index)}
             assert len(attempts) == n
+
+
+def test_weights_from_a_learner_with_another_contract_are_refused(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                                   plan: PipelineContract, tmp_path: Path,
+                                                                   running: Callable) -> None:
+    """A learner whose pipeline contract differs (here: another G) announces weights: the producer never loads
+    them, says why naming both digests, and its /health turns unhealthy."""
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
+    theirs = dataclasses.replace(cfg.pipeline, group_size=G + 1)
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
+                                cfg.pipeline.run, contract=theirs.digest())
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
+    (tmp_path / "w").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
+    publisher.announce(publisher.publish(4, {"model.safetensors": tmp_path / "w" / "model.safetensors"}))
+    publisher.close()
+    r = running(cfg)
+    feed(kafka_cfg, plan, 2)
+    wait_for(lambda: bool(r.producer.weights.refused), what="the refusal")
+    assert theirs.digest() in r.producer.weights.refused and cfg.pipeline.digest() in r.producer.weights.refused
+    wait_for(lambda: r.producer.batches >= 1, what="a batch")
+    assert r.producer.weights.version == 0
+    assert {c.policy_version for c in completions(kafka_cfg, plan.topic("completions"))} == {0}

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from grpo_stream.config import ConfigError, build
-from verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request
-from verifiers.rewards.builtins import exact, format_reward, regex, resolve
-from verifiers.rewards.math_reward import gold_text, last_boxed, math_answer
-from verifiers.rewards.registry import judge
+from grpo_core.config import ConfigError, build
+from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request
+from grpo_verifiers.rewards.builtins import exact, format_reward, regex, resolve
+from grpo_verifiers.rewards.math_reward import gold_text, last_boxed, math_answer
+from grpo_verifiers.rewards.registry import judge
 
 FX = "reward_fixtures"
 

@@ -24,8 +24,8 @@ def test_run_restarts_a_killed_child_and_completes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(REPO / "configs" / "demo.yaml"), "name=restart-test",
            f"out_dir={out}", "max_minutes=6", "learner.max_steps=40", f"learner.model.path={model}",
-           f"producers.config.backend.model={model}", f"learner.weights.root={out / 'weights'}",
-           f"producers.config.weights.root={out / 'weights'}", "restart_backoff_s=0.5"]
+           f"producers.config.backend.model={model}", f"learner.weights.fs.root={out / 'weights'}",
+           f"producers.config.weights.fs.root={out / 'weights'}", "restart_backoff_s=0.5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     killed = None

@@ -7,15 +7,13 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaAdminClient
 
-from grpo_stream.config import TopicsConfig, TopicsFileConfig, load_config
-from grpo_stream.topics import TopicConflict, broker_configs, ensure_topics, live_configs
+from grpo_core.config import load_config
+from grpo_core.contract import PipelineContract
+from grpo_core.topics import TopicConflict, TopicsFileConfig, broker_configs, ensure_topics, live_configs
 
 
-def _plan(unique: Callable[[str], str]) -> TopicsConfig:
-    prefix = unique("plan")
-    overrides = [f"topics.{t}.name={prefix}-{t}" for t in
-                 ("prompts", "completions", "groups", "weights", "weight_data", "dlq")]
-    return load_config(TopicsFileConfig, None, overrides).topics
+def _plan(unique: Callable[[str], str]) -> PipelineContract:
+    return load_config(TopicsFileConfig, None, [f"pipeline.run={unique('plan')}"]).pipeline
 
 
 def test_create_is_idempotent_and_applies_configs(admin: KafkaAdminClient, unique: Callable) -> None:
@@ -24,16 +22,16 @@ def test_create_is_idempotent_and_applies_configs(admin: KafkaAdminClient, uniqu
     assert [r.created for r in first] == [True] * 6
     second = ensure_topics(admin, plan)
     assert [r.created for r in second] == [False] * 6
-    live = live_configs(admin, plan.weights.name)
+    live = live_configs(admin, plan.topic("weights"))
     assert live["cleanup.policy"] == "compact"
-    assert live["max.message.bytes"] == str(plan.weights.max_message_bytes)
-    (meta,) = admin.describe_topics([plan.completions.name])
-    assert len(meta["partitions"]) == plan.completions.partitions
+    assert live["max.message.bytes"] == str(plan.topics.weights.max_message_bytes)
+    (meta,) = admin.describe_topics([plan.topic("completions")])
+    assert len(meta["partitions"]) == plan.topics.completions.partitions
 
 
 def test_conflicting_existing_topic_is_reported_per_setting(admin: KafkaAdminClient, unique: Callable) -> None:
     plan = _plan(unique)
-    spec = plan.groups
+    spec = plan.topic_spec("groups")
     wrong = dict(broker_configs(spec), **{"retention.ms": "1000"})
     admin.create_topics({spec.name: {"num_partitions": spec.partitions + 1, "replication_factor": 1,
                                      "configs": wrong}})
@@ -43,4 +41,4 @@ def test_conflicting_existing_topic_is_reported_per_setting(admin: KafkaAdminCli
     message = str(info.value)
     assert f"{spec.name}: partitions is {spec.partitions + 1}, plan says {spec.partitions}" in message
     assert f"{spec.name}: retention.ms is '1000'" in message
-    assert plan.prompts.name not in message  # only the differing topic is named
+    assert plan.topic("prompts") not in message  # only the differing topic is named

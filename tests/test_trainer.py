@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo_stream import wire
-from grpo_stream.config import load_config
+from grpo_core import wire
+from grpo_core.config import load_config
+from grpo_learner.config import LearnerConfig
+from grpo_learner.trainer import Trainer
 from grpo_stream.tiny_model import build_tiny_model
-from learner.config import LearnerConfig
-from learner.trainer import Trainer
 
 G, PROMPTS, NEW_TOKENS = 8, 8, 8
 
@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cfg(model_dir: Path, *overrides: str) -> LearnerConfig:
-    return load_config(LearnerConfig, None, [f"model.path={model_dir}", f"group_size={G}", "optim.lr=3e-3",
+    return load_config(LearnerConfig, None, [f"model.path={model_dir}", f"pipeline.group_size={G}", "optim.lr=3e-3",
                                              *overrides])
 
 

@@ -3,6 +3,7 @@ the right members and statistics; kill -9 loses no group; incomplete groups are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -19,19 +20,21 @@ import pytest
 import yaml
 from kafka import KafkaAdminClient
 
-from grpo_stream import wire
-from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
-from grpo_stream.kafka_io import make_consumer, make_producer
-from learner.advantages import group_stats
-from verifiers.config import VerifierConfig
-from verifiers.service import Verifier
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, load_config, to_dict
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import committed_offsets, make_consumer, make_producer
+from grpo_core.stats import group_stats
+from grpo_core.topics import ensure_topics
+from grpo_verifiers.config import VerifierConfig
+from grpo_verifiers.service import Verifier
 
 G = 4
 
 
-def _cfg_dict(kafka_cfg: KafkaConfig, plan: TopicsConfig, **extra: object) -> dict:
-    return {"kafka": {"bootstrap": kafka_cfg.bootstrap}, "topics": to_dict(plan), "metrics": {"port": -1},
-            "consumer_group": plan.completions.name + "-v", **extra}
+def _cfg_dict(kafka_cfg: KafkaConfig, plan: PipelineContract, **extra: object) -> dict:
+    return {"kafka": {"bootstrap": kafka_cfg.bootstrap}, "pipeline": {**to_dict(plan), "group_size": G},
+            "metrics": {"port": -1}, **extra}
 
 
 def completion(gid: str, index: int, answer: str, right: bool, attempt: str = "a") -> wire.Completion:
@@ -103,13 +106,13 @@ def check_group(g: wire.ScoredGroup, eps: float = 1e-4) -> None:
     assert (g.reward_mean, g.reward_std) == pytest.approx((mean, std))
 
 
-def test_thousand_shuffled_groups_with_duplicates(kafka_cfg: KafkaConfig, plan: TopicsConfig,
+def test_thousand_shuffled_groups_with_duplicates(kafka_cfg: KafkaConfig, plan: PipelineContract,
                                                   running: Callable) -> None:
     gids = [f"g{k}@e0r0" for k in range(1000)]
-    send_groups(kafka_cfg, plan.completions.name, gids, dup_share=0.10, seed=0)
+    send_groups(kafka_cfg, plan.topic("completions"), gids, dup_share=0.10, seed=0)
     v = running(load_config(VerifierConfig, None, [f"{k}={yaml.safe_dump(val, default_flow_style=True).strip()}"
                                                    for k, val in _cfg_dict(kafka_cfg, plan).items()]))
-    groups = read_groups(kafka_cfg, plan.groups.name, 1000)
+    groups = read_groups(kafka_cfg, plan.topic("groups"), 1000)
     assert Counter(g.group_id for g in groups) == Counter(gids), "exactly one ScoredGroup per group"
     for g in groups:
         check_group(g)
@@ -117,53 +120,53 @@ def test_thousand_shuffled_groups_with_duplicates(kafka_cfg: KafkaConfig, plan: 
 
 
 @pytest.mark.slow
-def test_kill9_loses_no_group(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, plan: TopicsConfig,
+def test_kill9_loses_no_group(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, plan: PipelineContract,
                               tmp_path: Path) -> None:
     gids = [f"g{k}@e0r0" for k in range(400)]
-    send_groups(kafka_cfg, plan.completions.name, gids, dup_share=0.0, seed=1)
+    send_groups(kafka_cfg, plan.topic("completions"), gids, dup_share=0.0, seed=1)
     path = tmp_path / "verifier.yaml"
     path.write_text(yaml.safe_dump(_cfg_dict(kafka_cfg, plan, idle_timeout_s=6, max_poll_records=16)))
     cmd = [sys.executable, "-m", "grpo_stream.cli", "verifier", "--config", str(path)]
     log = (tmp_path / "verifier.log").open("ab")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while len(read_groups(kafka_cfg, plan.groups.name, 0, timeout_s=0.5)) < 40 and time.monotonic() < deadline:
+    while len(read_groups(kafka_cfg, plan.topic("groups"), 0, timeout_s=0.5)) < 40 and time.monotonic() < deadline:
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     assert proc.wait(timeout=240) == 0
-    groups = read_groups(kafka_cfg, plan.groups.name, 400)
+    groups = read_groups(kafka_cfg, plan.topic("groups"), 400)
     counts = Counter(g.group_id for g in groups)
     assert set(counts) == set(gids), "no group lost"
     for g in groups:  # duplicates only as documented: groups completed above the watermark, rebuilt identically
         check_group(g)
 
 
-def test_incomplete_groups_partial_or_dlq_and_garbage(kafka_cfg: KafkaConfig, plan: TopicsConfig,
+def test_incomplete_groups_partial_or_dlq_and_garbage(kafka_cfg: KafkaConfig, plan: PipelineContract,
                                                       running: Callable) -> None:
     producer = make_producer(kafka_cfg, "test")
     for i in range(3):  # 3 of 4 members: published as partial after the timeout
-        producer.send(plan.completions.name, key=b"g3@e0r0", value=wire.encode(completion("g3@e0r0", i, "1", True)))
-    producer.send(plan.completions.name, key=b"g5@e0r0", value=wire.encode(completion("g5@e0r0", 0, "1", True)))
-    producer.send(plan.completions.name, key=b"junk", value=b"\x00 not a completion")
+        producer.send(plan.topic("completions"), key=b"g3@e0r0", value=wire.encode(completion("g3@e0r0", i, "1", True)))
+    producer.send(plan.topic("completions"), key=b"g5@e0r0", value=wire.encode(completion("g5@e0r0", 0, "1", True)))
+    producer.send(plan.topic("completions"), key=b"junk", value=b"\x00 not a completion")
     # Two attempts of one group (a producer re-ran it): never mixed; the first complete attempt wins.
     for i in range(2):
-        producer.send(plan.completions.name, key=b"g7@e0r0", value=wire.encode(completion("g7@e0r0", i, "7", True,
+        producer.send(plan.topic("completions"), key=b"g7@e0r0", value=wire.encode(completion("g7@e0r0", i, "7", True,
                                                                                            attempt="old")))
     for i in range(G):
-        producer.send(plan.completions.name, key=b"g7@e0r0", value=wire.encode(completion("g7@e0r0", i, "7", False,
+        producer.send(plan.topic("completions"), key=b"g7@e0r0", value=wire.encode(completion("g7@e0r0", i, "7", False,
                                                                                           attempt="new")))
     producer.flush()
     producer.close()
     running(load_config(VerifierConfig, None, [f"{k}={yaml.safe_dump(val, default_flow_style=True).strip()}"
                                                for k, val in _cfg_dict(kafka_cfg, plan, group_timeout_s=2.0).items()]))
-    groups = {g.group_id: g for g in read_groups(kafka_cfg, plan.groups.name, 2)}
+    groups = {g.group_id: g for g in read_groups(kafka_cfg, plan.topic("groups"), 2)}
     assert set(groups) == {"g3@e0r0", "g7@e0r0"}
     assert groups["g3@e0r0"].partial and len(groups["g3@e0r0"].completions) == 3
     assert {c.metadata["attempt"] for c in groups["g7@e0r0"].completions} == {"new"}
     assert groups["g7@e0r0"].rewards == [0.0] * G
-    consumer = make_consumer(kafka_cfg, "test", None, [plan.dlq.name])
+    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
     letters: list[wire.DeadLetter] = []
     deadline = time.monotonic() + 30
     while len(letters) < 2 and time.monotonic() < deadline:
@@ -172,3 +175,53 @@ def test_incomplete_groups_partial_or_dlq_and_garbage(kafka_cfg: KafkaConfig, pl
     consumer.close()
     reasons = " | ".join(d.reason for d in letters)
     assert "incomplete_group: g5@e0r0 has 1/4" in reasons and "not msgpack" in reasons
+
+
+def _verifier_cfg(kafka_cfg: KafkaConfig, plan: PipelineContract, **extra: object) -> VerifierConfig:
+    return load_config(VerifierConfig, None, [f"{k}={yaml.safe_dump(val, default_flow_style=True).strip()}"
+                                              for k, val in _cfg_dict(kafka_cfg, plan, **extra).items()])
+
+
+def test_two_runs_on_one_broker_never_read_each_other(kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
+                                                      unique: Callable, running: Callable) -> None:
+    """Names derive from the run: two runs' verifiers, side by side on one broker with default names otherwise,
+    each score only their own run's completions and commit in their own consumer group."""
+    runs = [PipelineContract(run=unique("run-a")), PipelineContract(run=unique("run-b"))]
+    ids = [[f"g{k}@e0r0" for k in range(20)], [f"g{k}@e0r0" for k in range(100, 110)]]
+    for contract, gids in zip(runs, ids, strict=True):
+        ensure_topics(admin, contract)
+        send_groups(kafka_cfg, contract.topic("completions"), gids, dup_share=0.0, seed=len(gids))
+    for contract in runs:
+        running(_verifier_cfg(kafka_cfg, contract))
+    for contract, gids in zip(runs, ids, strict=True):
+        groups = read_groups(kafka_cfg, contract.topic("groups"), len(gids))
+        assert sorted(g.group_id for g in groups) == sorted(gids)
+    assert runs[0].group("verifiers") != runs[1].group("verifiers")
+    for contract, gids in zip(runs, ids, strict=True):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            committed = committed_offsets(admin, contract.group("verifiers"), contract.topic("completions"))
+            if sum(committed.values()) == len(gids) * G:
+                break
+            time.sleep(0.3)
+        assert sum(committed.values()) == len(gids) * G
+
+
+def test_completions_of_another_group_size_are_dead_lettered(kafka_cfg: KafkaConfig, plan: PipelineContract,
+                                                             running: Callable) -> None:
+    """A producer run with another G than the contract: its completions go to the dlq naming both values."""
+    producer = make_producer(kafka_cfg, "test")
+    wrong = dataclasses.replace(completion("g9@e0r0", 0, "1", True), group_size=G + 2)
+    producer.send(plan.topic("completions"), key=b"g9@e0r0", value=wire.encode(wrong))
+    producer.flush()
+    producer.close()
+    running(_verifier_cfg(kafka_cfg, plan))
+    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
+    letters: list[wire.DeadLetter] = []
+    deadline = time.monotonic() + 30
+    while not letters and time.monotonic() < deadline:
+        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
+                    for m in msgs]
+    consumer.close()
+    assert letters and letters[0].reason == (f"group_size_mismatch: completion of g9@e0r0 says G={G + 2}, "
+                                             f"the pipeline contract G={G}")

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -18,19 +19,22 @@ import pytest
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
 from kafka.producer.future import FutureRecordMetadata
 
-from grpo_stream import weight_store, wire
-from grpo_stream.bench import swap
-from grpo_stream.config import ConfigError, KafkaConfig, TopicsConfig, load_config
-from grpo_stream.kafka_io import make_producer
-from grpo_stream.weight_store import (
+from grpo_core import wire
+from grpo_core.config import ConfigError, KafkaConfig, TopicsConfig, load_config
+from grpo_core.kafka_io import make_admin, make_producer
+from grpo_core.weights import (
     MODEL_FILE,
+    FsStoreConfig,
+    KafkaStoreConfig,
     WeightFetcher,
     WeightFetchError,
     WeightPublisher,
     WeightStoreConfig,
+    chunks,
     latest_announcement,
     sha256_file,
 )
+from grpo_stream.bench import swap
 
 MiB = 1 << 20
 
@@ -42,8 +46,30 @@ def _blob(path: Path, size: int, seed: int) -> bytes:
     return data
 
 
-def _fs_cfg(tmp_path: Path, **kw: object) -> WeightStoreConfig:
-    return WeightStoreConfig(root=str(tmp_path / "store"), fetch_retries=2, fetch_backoff_s=0.01, **kw)
+def _fs_cfg(tmp_path: Path, keep: int = 3, **kw: object) -> WeightStoreConfig:
+    return WeightStoreConfig(fs=FsStoreConfig(root=str(tmp_path / "store"), keep=keep), fetch_retries=2,
+                             fetch_backoff_s=0.01, **kw)
+
+
+def _kafka_store(cache: Path, chunk: int = MiB, **kw: object) -> WeightStoreConfig:
+    return WeightStoreConfig(kind="kafka", kafka=KafkaStoreConfig(chunk_bytes=chunk, cache_dir=str(cache)), **kw)
+
+
+@dataclass
+class Topics:
+    """The two topics the weight store uses."""
+
+    weights: str = "weights"
+    weight_data: str = "weight-data"
+
+
+def _pub(cfg: WeightStoreConfig, kafka: KafkaConfig, topics: Topics, run: str) -> WeightPublisher:
+    return WeightPublisher(cfg, kafka, topics.weights, topics.weight_data, run)
+
+
+def _fetcher(cfg: WeightStoreConfig, kafka: KafkaConfig, topics: Topics | None = None,
+             stream_run: str | None = None) -> WeightFetcher:
+    return WeightFetcher(cfg, kafka, (topics or Topics()).weight_data, stream_run=stream_run)
 
 
 def _versions(run_dir: Path) -> list[str]:
@@ -51,27 +77,25 @@ def _versions(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture
-def topics(new_topic: Callable[..., str]) -> TopicsConfig:
-    plan = TopicsConfig()
-    plan.weights.name = new_topic("weights", 1, {"cleanup.policy": "compact"})
-    plan.weight_data.name = new_topic("weight-data", 1, {"max.message.bytes": str(16 * MiB)})
-    return plan
+def topics(new_topic: Callable[..., str]) -> Topics:
+    return Topics(new_topic("weights", 1, {"cleanup.policy": "compact"}),
+                  new_topic("weight-data", 1, {"max.message.bytes": str(16 * MiB)}))
 
 
 # ------------------------------------------------------------------------------------------ config
 
 
 def test_config_validation_is_actionable() -> None:
-    cfg = load_config(WeightStoreConfig, overrides=["kind=kafka", "chunk_bytes=1048576", "keep=2"])
-    assert (cfg.kind, cfg.chunk_bytes, cfg.keep) == ("kafka", MiB, 2)
-    with pytest.raises(ConfigError, match="weights.keep"):
-        WeightStoreConfig(keep=0).validate()
-    with pytest.raises(ConfigError, match=r"weights.chunk_bytes.*kafka.max_record_bytes.*<= 16711680"):
-        WeightPublisher(WeightStoreConfig(kind="kafka", chunk_bytes=16 * MiB), KafkaConfig(), TopicsConfig(), "r")
-    # The fs store does not chunk, so the Kafka record limit does not apply to it.
-    WeightPublisher(WeightStoreConfig(kind="fs", chunk_bytes=16 * MiB), KafkaConfig(), TopicsConfig(), "r")
+    cfg = load_config(WeightStoreConfig, overrides=["kind=kafka", "kafka.chunk_bytes=1048576", "fs.keep=2"])
+    assert (cfg.kind, cfg.kafka.chunk_bytes, cfg.fs.keep) == ("kafka", MiB, 2)
+    with pytest.raises(ConfigError, match="weights.fs.keep"):
+        load_config(WeightStoreConfig, overrides=["fs.keep=0"])
+    with pytest.raises(ConfigError, match="weights.kafka.cache_keep"):
+        load_config(WeightStoreConfig, overrides=["kafka.cache_keep=0"])
+    with pytest.raises(ConfigError, match=r"weights.kafka.chunk_bytes.*kafka.max_record_bytes.*<= 16711680"):
+        KafkaStoreConfig(chunk_bytes=16 * MiB).check_fits(KafkaConfig(), TopicsConfig().weight_data)
     with pytest.raises(ValueError, match="run name"):
-        WeightPublisher(WeightStoreConfig(), KafkaConfig(), TopicsConfig(), "../etc")
+        _pub(WeightStoreConfig(), KafkaConfig(), Topics(), "../etc")
 
 
 # ------------------------------------------------------------------------------------------ fs store
@@ -79,7 +103,7 @@ def test_config_validation_is_actionable() -> None:
 
 def test_fs_round_trip_and_keep_gc(tmp_path: Path) -> None:
     cfg = _fs_cfg(tmp_path, keep=2)
-    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "run-a")
+    pub = _pub(cfg, KafkaConfig(), Topics(), "run-a")
     (tmp_path / "config.json").write_text('{"model_type": "toy"}')
     blobs, anns = [], []
     for v in (1, 2, 3):
@@ -92,7 +116,7 @@ def test_fs_round_trip_and_keep_gc(tmp_path: Path) -> None:
     # keep=2: the oldest version is gone, and no temp/trash directory is left behind.
     assert _versions(tmp_path / "store" / "run-a") == ["v00000002", "v00000003"]
 
-    fetcher = WeightFetcher(cfg, KafkaConfig())
+    fetcher = _fetcher(cfg, KafkaConfig())
     for a, data in zip(anns[1:], blobs[1:], strict=True):
         path = fetcher.fetch(a)
         assert path.read_bytes() == data and sha256_file(path) == a.sha256
@@ -103,7 +127,7 @@ def test_fs_round_trip_and_keep_gc(tmp_path: Path) -> None:
 
 def test_fs_never_deletes_the_version_just_published(tmp_path: Path) -> None:
     cfg = _fs_cfg(tmp_path, keep=2)
-    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r")
+    pub = _pub(cfg, KafkaConfig(), Topics(), "r")
     src = tmp_path / "w.bin"
     for v in (10, 11, 12):
         _blob(src, 1000, seed=v)
@@ -116,7 +140,7 @@ def test_fs_never_deletes_the_version_just_published(tmp_path: Path) -> None:
     old = pub.publish(12, {MODEL_FILE: src})
     new_data = _blob(src, 2000, seed=99)
     new = pub.publish(12, {MODEL_FILE: src})
-    fetcher = WeightFetcher(cfg, KafkaConfig())
+    fetcher = _fetcher(cfg, KafkaConfig())
     assert fetcher.fetch(new).read_bytes() == new_data
     with pytest.raises(WeightFetchError, match="size mismatch"):
         fetcher.fetch(old)
@@ -126,7 +150,7 @@ def test_fs_corrupt_file_is_retried_then_rejected(tmp_path: Path, caplog: pytest
     cfg = _fs_cfg(tmp_path)
     src = tmp_path / "w.bin"
     _blob(src, 3 * MiB, seed=1)
-    ann = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r").publish(1, {MODEL_FILE: src})
+    ann = _pub(cfg, KafkaConfig(), Topics(), "r").publish(1, {MODEL_FILE: src})
     stored = tmp_path / "store" / ann.location
 
     def flip() -> None:
@@ -137,13 +161,13 @@ def test_fs_corrupt_file_is_retried_then_rejected(tmp_path: Path, caplog: pytest
             f.write(bytes([byte[0] ^ 0xFF]))
 
     flip()
-    fetcher = WeightFetcher(cfg, KafkaConfig())
-    with caplog.at_level(logging.WARNING, "grpo_stream.weight_store"), \
+    fetcher = _fetcher(cfg, KafkaConfig())
+    with caplog.at_level(logging.WARNING, "grpo_core.weights"), \
             pytest.raises(WeightFetchError, match=r"sha256 mismatch.*gave up after 3 attempts"):
         fetcher.fetch(ann)
     assert sum("retry" in r.getMessage() for r in caplog.records) == 2
     # A transient corruption that heals during the backoff (e.g. a volume catching up) is ridden out.
-    patient = WeightFetcher(WeightStoreConfig(root=cfg.root, fetch_retries=5, fetch_backoff_s=0.05), KafkaConfig())
+    patient = _fetcher(WeightStoreConfig(fs=cfg.fs, fetch_retries=5, fetch_backoff_s=0.05), KafkaConfig())
     healer = threading.Timer(0.08, flip)
     healer.start()
     assert patient.fetch(ann) == stored
@@ -151,24 +175,24 @@ def test_fs_corrupt_file_is_retried_then_rejected(tmp_path: Path, caplog: pytest
 
 
 def test_fs_version_deleted_while_being_verified_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import grpo_stream.weight_store as ws
+    import grpo_core.weights.fs as ws
 
     cfg = _fs_cfg(tmp_path, keep=1)
     src = tmp_path / "w.bin"
     _blob(src, MiB, seed=1)
-    pub = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "r")
+    pub = _pub(cfg, KafkaConfig(), Topics(), "r")
     ann = pub.publish(1, {MODEL_FILE: src})
-    real_pump = ws._pump
+    real_pump = ws.pump
 
     def pump_then_gc(*args: object) -> int:  # the learner's GC strikes while this fetcher is hashing
         n = real_pump(*args)
-        monkeypatch.setattr(ws, "_pump", real_pump)
+        monkeypatch.setattr(ws, "pump", real_pump)
         pub.publish(2, {MODEL_FILE: src})
         return n
 
-    monkeypatch.setattr(ws, "_pump", pump_then_gc)
+    monkeypatch.setattr(ws, "pump", pump_then_gc)
     with pytest.raises(WeightFetchError, match="missing"):
-        WeightFetcher(cfg, KafkaConfig()).fetch(ann)
+        _fetcher(cfg, KafkaConfig()).fetch(ann)
     assert _versions(tmp_path / "store" / "r") == ["v00000002"]
 
 
@@ -179,23 +203,23 @@ def test_fs_real_safetensors(tmp_path: Path) -> None:
     tensors = {"w": torch.randn(64, 128), "b": torch.arange(10, dtype=torch.int64)}
     save_file(tensors, str(tmp_path / "m.safetensors"))
     cfg = _fs_cfg(tmp_path)
-    ann = WeightPublisher(cfg, KafkaConfig(), TopicsConfig(), "st").publish(0, {MODEL_FILE: tmp_path / "m.safetensors"})
-    loaded = load_file(str(WeightFetcher(cfg, KafkaConfig()).fetch(ann)))
+    ann = _pub(cfg, KafkaConfig(), Topics(), "st").publish(0, {MODEL_FILE: tmp_path / "m.safetensors"})
+    loaded = load_file(str(_fetcher(cfg, KafkaConfig()).fetch(ann)))
     assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 
 # ------------------------------------------------------------------------------------------ kafka store
 
 
-def test_kafka_round_trip_and_cache(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path) -> None:
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "unused"), chunk_bytes=MiB)
+def test_kafka_round_trip_and_cache(kafka_cfg: KafkaConfig, topics: Topics, tmp_path: Path) -> None:
+    cfg = _kafka_store(tmp_path / "cache")
     data = _blob(tmp_path / "w.bin", 20 * MiB + 123, seed=7)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "run-k")
-    fetcher = WeightFetcher(cfg, kafka_cfg, cache_dir=tmp_path / "cache")
+    pub = _pub(cfg, kafka_cfg, topics, "run-k")
+    fetcher = _fetcher(cfg, kafka_cfg, topics)
     try:
         ann = pub.publish(1, {MODEL_FILE: tmp_path / "w.bin", "config.json": tmp_path / "w.bin"})
         assert (ann.store, ann.num_chunks, ann.chunk_bytes, ann.size_bytes) == ("kafka", 21, MiB, len(data))
-        assert ann.location == f"{topics.weight_data.name}:0:0"
+        assert ann.location == f"{topics.weight_data}:0:0"
         path = fetcher.fetch(ann)
         assert path == tmp_path / "cache" / "run-k" / "v00000001" / MODEL_FILE
         assert path.read_bytes() == data
@@ -216,13 +240,13 @@ def _send_chunk(producer: KafkaProducer, topic: str, run: str, version: int, dat
     return producer.send(topic, key=f"{run}/{version}".encode(), value=wire.encode(record))
 
 
-def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfig, topics: Topics,
                                                            tmp_path: Path) -> None:
-    chunk, topic = 256 * 1024, topics.weight_data.name
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=chunk)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "A")
+    chunk, topic = 256 * 1024, topics.weight_data
+    cfg = _kafka_store(tmp_path / "cache", chunk)
+    pub = _pub(cfg, kafka_cfg, topics, "A")
     producer = make_producer(kafka_cfg, "test", compression_type=None)
-    fetcher = WeightFetcher(cfg, kafka_cfg)
+    fetcher = _fetcher(cfg, kafka_cfg, topics)
     try:
         a1 = _blob(tmp_path / "a1", 2 * MiB, seed=1)
         ann_a1 = pub.publish(1, {MODEL_FILE: tmp_path / "a1"})
@@ -246,7 +270,7 @@ def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfi
         assert fetcher.fetch(anns["A"]).read_bytes() == a2
         assert fetcher.fetch(ann_a1).read_bytes() == a1
         # A bare-topic location makes the fetcher scan by time: it passes the abandoned attempt and restarts.
-        bare = WeightFetcher(cfg, kafka_cfg, cache_dir=tmp_path / "bare")
+        bare = _fetcher(_kafka_store(tmp_path / "bare", chunk), kafka_cfg, topics)
         anns["A"].location = topic
         assert bare.fetch(anns["A"]).read_bytes() == a2
         bare.close()
@@ -256,15 +280,15 @@ def test_kafka_interleaved_runs_and_versions_are_not_mixed(kafka_cfg: KafkaConfi
         fetcher.close()
 
 
-def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: KafkaConfig, topics: Topics,
                                                                   tmp_path: Path) -> None:
-    chunk, topic = MiB, topics.weight_data.name
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=chunk, fetch_retries=0)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "s")
+    chunk, topic = MiB, topics.weight_data
+    cfg = _kafka_store(tmp_path / "cache", chunk, fetch_retries=0)
+    pub = _pub(cfg, kafka_cfg, topics, "s")
     early = _blob(tmp_path / "v1", 3 * MiB + 5, seed=11)
     ann1 = pub.publish(1, {MODEL_FILE: tmp_path / "v1"})  # before the stream starts: downloaded on demand
     producer = make_producer(kafka_cfg, "test", compression_type=None)
-    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topic, "s"))
+    fetcher = _fetcher(cfg, kafka_cfg, topics, stream_run="s")
     assert fetcher.stream is not None
     try:
         assert fetcher.fetch(ann1).read_bytes() == early and fetcher.stream.hits == 0
@@ -291,13 +315,13 @@ def test_kafka_stream_assembles_versions_while_they_are_published(kafka_cfg: Kaf
         fetcher.close()
 
 
-def test_kafka_stream_writes_each_version_over_the_spare_it_prepared(kafka_cfg: KafkaConfig, topics: TopicsConfig,
+def test_kafka_stream_writes_each_version_over_the_spare_it_prepared(kafka_cfg: KafkaConfig, topics: Topics,
                                                                      tmp_path: Path) -> None:
     """After each version the stream fills a spare file of that size with zeros; the next version overwrites it
     and is cut to its own size, smaller or larger: the bytes are exactly the version's, never trailing zeros."""
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_retries=0)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "p")
-    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topics.weight_data.name, "p"))
+    cfg = _kafka_store(tmp_path / "cache", fetch_retries=0)
+    pub = _pub(cfg, kafka_cfg, topics, "p")
+    fetcher = _fetcher(cfg, kafka_cfg, topics, stream_run="p")
     stream = fetcher.stream
     assert stream is not None
     try:
@@ -316,22 +340,21 @@ def test_kafka_stream_writes_each_version_over_the_spare_it_prepared(kafka_cfg: 
     assert [p.name for p in (tmp_path / "cache" / "p").iterdir() if p.name.startswith(".")] == []
 
 
-def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path,
+def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topics: Topics, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks are written and hashed on a writer thread: a disk error there must surface (retried, then reported),
     never hang the fetch or leave a partial file; the stream drops the version and the download takes over."""
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_retries=1,
-                            fetch_backoff_s=0.01)
-    real_write, failing = weight_store._write_all, {"prefix": ".stream-"}
+    cfg = _kafka_store(tmp_path / "cache", fetch_retries=1, fetch_backoff_s=0.01)
+    real_write, failing = chunks.write_all, {"prefix": ".stream-"}
 
     def write(dst: BinaryIO, data: memoryview | bytes) -> None:
         if Path(str(dst.name)).name.startswith(failing["prefix"]):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(dst, data)
 
-    monkeypatch.setattr(weight_store, "_write_all", write)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "w")
-    fetcher = WeightFetcher(cfg, kafka_cfg, stream=(topics.weight_data.name, "w"))
+    monkeypatch.setattr(chunks, "write_all", write)
+    pub = _pub(cfg, kafka_cfg, topics, "w")
+    fetcher = _fetcher(cfg, kafka_cfg, topics, stream_run="w")
     assert fetcher.stream is not None
     try:
         data = _blob(tmp_path / "v1", 5 * MiB + 3, seed=21)
@@ -343,7 +366,7 @@ def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topic
         assert fetcher.fetch(ann2).exists() and fetcher.stream.hits == 1
         (tmp_path / "cache" / "w" / "v00000002" / MODEL_FILE).unlink()
         fetcher.stream.close()
-        fetcher.stream = None
+        fetcher.stores["kafka"].stream = None  # type: ignore[attr-defined]
         with pytest.raises(WeightFetchError, match="No space left on device.*2 attempts"):
             fetcher.fetch(ann2)
         assert sorted(p.name for p in (tmp_path / "cache" / "w").iterdir()) == ["v00000001", "v00000002"]
@@ -354,12 +377,12 @@ def test_kafka_write_errors_fail_the_fetch_cleanly(kafka_cfg: KafkaConfig, topic
         fetcher.close()
 
 
-def test_kafka_tampered_or_deleted_chunks_are_reported(kafka_cfg: KafkaConfig, topics: TopicsConfig, admin:
+def test_kafka_tampered_or_deleted_chunks_are_reported(kafka_cfg: KafkaConfig, topics: Topics, admin:
                                                        KafkaAdminClient, tmp_path: Path) -> None:
-    cfg = WeightStoreConfig(kind="kafka", root=str(tmp_path / "cache"), chunk_bytes=MiB, fetch_backoff_s=0.01)
+    cfg = _kafka_store(tmp_path / "cache", fetch_backoff_s=0.01)
     _blob(tmp_path / "w", 3 * MiB, seed=4)
-    pub = WeightPublisher(cfg, kafka_cfg, topics, "t")
-    fetcher = WeightFetcher(cfg, kafka_cfg)
+    pub = _pub(cfg, kafka_cfg, topics, "t")
+    fetcher = _fetcher(cfg, kafka_cfg, topics)
     try:
         ann = pub.publish(1, {MODEL_FILE: tmp_path / "w"})
         ann.sha256 = "0" * 64
@@ -369,7 +392,7 @@ def test_kafka_tampered_or_deleted_chunks_are_reported(kafka_cfg: KafkaConfig, t
         assert time.monotonic() - t0 < 10  # immutable records: not retried
         assert not (tmp_path / "cache" / "t" / "v00000001" / MODEL_FILE).exists()  # nothing unverified kept
         ann2 = pub.publish(2, {MODEL_FILE: tmp_path / "w"})
-        admin.delete_records({TopicPartition(topics.weight_data.name, 0): 5})  # as retention would
+        admin.delete_records({TopicPartition(topics.weight_data, 0): 5})  # as retention would
         with pytest.raises(WeightFetchError, match="retention"):
             fetcher.fetch(ann2)
     finally:
@@ -385,11 +408,11 @@ def _ann(run: str, version: int) -> wire.WeightsAnnouncement:
                                     location=f"{run}/v{version:08d}/{MODEL_FILE}", published_at=wire.now())
 
 
-def test_latest_announcement(kafka_cfg: KafkaConfig, topics: TopicsConfig, tmp_path: Path) -> None:
+def test_latest_announcement(kafka_cfg: KafkaConfig, topics: Topics, tmp_path: Path) -> None:
     cfg = _fs_cfg(tmp_path)
-    pubs = {run: WeightPublisher(cfg, kafka_cfg, topics, run) for run in ("A", "B")}
+    pubs = {run: _pub(cfg, kafka_cfg, topics, run) for run in ("A", "B")}
     raw = make_producer(kafka_cfg, "test")
-    topic = topics.weights.name
+    topic = topics.weights
     try:
         assert latest_announcement(kafka_cfg, topic, "A") is None  # empty topic
         for v in (1, 2):
@@ -423,13 +446,16 @@ def test_swap_bench_measures_every_store(kafka_cfg: KafkaConfig, tmp_path: Path,
     """``bench producer``'s swap part runs end to end (learner in a child process) and says when it streamed."""
     monkeypatch.setattr(swap, "WEIGHTS", tmp_path)
     monkeypatch.setattr(swap, "GAP_S", 0.0)
-    files = {mb: swap.random_file(tmp_path / f"w{mb}.bin", mb * 1_000_000) for mb in (1, 3)}
-    topics = swap.fresh_topics(kafka_cfg)
-    for kind, stream in (("fs", False), ("kafka", False), ("kafka", True)):
-        swap.measure_store(kind, kafka_cfg, topics, files, stream)
+    admin = make_admin(kafka_cfg)
+    before = set(admin.list_topics())
+    swap.measure_swaps(kafka_cfg.bootstrap, [1, 3])  # the whole part, its topics created and deleted
     lines = [line for line in capsys.readouterr().out.splitlines() if " MB: " in line]
     assert [line.split(" MB: ")[0].split() for line in lines] == [
         ["fs", "1"], ["fs", "3"], ["kafka", "1"], ["kafka", "3"], ["kafka", "stream", "1"], ["kafka", "stream", "3"]]
     assert all("swap latency" in line and "fixed latency dominates" in line for line in lines)
     assert ["fetch+verify streamed" in line for line in lines] == [False] * 4 + [True] * 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["w1.bin", "w3.bin"]  # stores and caches cleaned up
+    assert list(tmp_path.iterdir()) == []  # the random files, stores and caches are cleaned up
+    try:
+        assert set(admin.list_topics()) <= before  # and so are the bench's topics
+    finally:
+        admin.close()

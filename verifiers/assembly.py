@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_stream import wire
+from grpo_core import wire
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Ready:
     partial: bool = False
 
 
-class Assembler:
+class GroupAssembler:
     def __init__(self, published_window: int = 200_000) -> None:
         self.pending: dict[tuple[int, str], Pending] = {}
         self.read_up_to: dict[int, int] = {}  # next offset after the last record read, per partition

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_stream.config import KafkaConfig, MetricsConfig, TopicsConfig, opt, require
-from verifiers.rewards import RewardConfig
+from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
+from grpo_core.contract import PipelineContract
+from grpo_verifiers.rewards import RewardConfig
 
 
 @dataclass
@@ -14,12 +15,10 @@ class VerifierConfig:
     """One scoring worker: completions in, one ScoredGroup per group of G out."""
 
     verifier_id: str = opt("", "Stamped on every ScoredGroup. Empty: <hostname>-<pid>.")
+    pipeline: PipelineContract = opt(factory=PipelineContract, help="What every role agrees on (grpo_core.contract).")
     kafka: KafkaConfig = opt(factory=KafkaConfig, help="Cluster connection.")
-    topics: TopicsConfig = opt(factory=TopicsConfig, help="Topic names (the plan).")
     metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
     rewards: RewardConfig = opt(factory=RewardConfig, help="Which rewards, and the sandboxed worker pool.")
-    consumer_group: str = opt("verifiers", "Consumer group on completions (M verifiers share partitions).")
-    stats_eps: float = opt(1e-4, "eps inside sqrt(var + eps) of the published group std (paper eq. 2).")
     group_timeout_s: float = opt(300.0, "A group still incomplete this long after its first member is resolved.")
     on_timeout: Literal["partial", "drop"] = opt(
         "partial", "partial: publish it (marked partial) if it has >= min_group_size members, else dlq; drop: dlq.")
@@ -32,7 +31,6 @@ class VerifierConfig:
         15_000, "Consumer session timeout: how soon the group notices a dead verifier and re-assigns its partitions.")
 
     def validate(self) -> None:
-        require(0 < self.stats_eps < 1, "stats_eps: must be in (0, 1)")
         require(self.group_timeout_s > 0, "group_timeout_s: must be > 0")
         require(self.min_group_size >= 1, "min_group_size: must be >= 1")
         require(self.max_poll_records >= 1, "max_poll_records: must be >= 1")

@@ -1,9 +1,9 @@
 """The verifier process: completions -> rewards -> one ScoredGroup per group (``grpo-stream verifier``).
 
-Per poll: decode (dead-letter garbage) -> assemble groups (``verifiers.assembly``; duplicates ignored) ->
+Per poll: decode (dead-letter garbage) -> assemble groups (``grpo_verifiers.assembly``; duplicates ignored) ->
 resolve groups past ``group_timeout_s`` (partial or dlq) -> score every completed group's members in the
 sandboxed reward pool -> publish the ScoredGroups and wait for the acks -> commit each partition's low
-watermark (``Assembler.watermark``), the only offsets this service commits.
+watermark (``GroupAssembler.watermark``), the only offsets this service commits.
 """
 
 from __future__ import annotations
@@ -13,22 +13,28 @@ import os
 import socket
 import time
 
-from kafka import ConsumerRebalanceListener, TopicPartition
-
-from grpo_stream import wire
-from grpo_stream.config import load_config
-from grpo_stream.kafka_io import DeadLetters, commit_processed, make_consumer, make_producer
-from grpo_stream.process import serve
-from learner.advantages import group_stats
-from verifiers.assembly import Assembler, Ready
-from verifiers.config import VerifierConfig
-from verifiers.metrics import VerifierMetrics
-from verifiers.rewards import RewardPool, RewardRequest, RewardResult
+from grpo_core import wire
+from grpo_core.config import load_config
+from grpo_core.kafka_io import (
+    DeadLetters,
+    Partition,
+    RebalanceListener,
+    assigned_lag,
+    commit_processed,
+    make_consumer,
+    make_producer,
+)
+from grpo_core.process import serve
+from grpo_core.stats import group_stats
+from grpo_verifiers.assembly import GroupAssembler, Ready
+from grpo_verifiers.config import VerifierConfig
+from grpo_verifiers.metrics import VerifierMetrics
+from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult
 
 log = logging.getLogger("verifier")
 
 
-class _Rebalance(ConsumerRebalanceListener):
+class _Rebalance(RebalanceListener):
     """Forgets the pending groups of partitions this verifier lost in a rebalance.
 
     No commit here: kafka-python 3 runs listeners on its IO thread, where a blocking commit is refused. Every
@@ -41,10 +47,10 @@ class _Rebalance(ConsumerRebalanceListener):
         self.verifier = verifier
         self.revoked: set[int] = set()
 
-    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+    def on_partitions_revoked(self, revoked: list[Partition]) -> None:
         self.revoked |= {tp.partition for tp in revoked}
 
-    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+    def on_partitions_assigned(self, assigned: list[Partition]) -> None:
         kept = {tp.partition for tp in assigned}
         for partition in self.revoked - kept:
             self.verifier.assembler.forget_partition(partition)
@@ -58,12 +64,13 @@ class Verifier:
         self.id = cfg.verifier_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = VerifierMetrics()
         self.pool = RewardPool(cfg.rewards)
-        self.producer = make_producer(cfg.kafka, "verifier")
-        self.dead = DeadLetters(self.producer, cfg.topics.dlq.name, "verifier",
+        self.sender = make_producer(cfg.kafka, "verifier")
+        self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "verifier",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
-        self.assembler = Assembler()
-        self.consumer = make_consumer(cfg.kafka, "verifier", cfg.consumer_group, [cfg.topics.completions.name],
-                                      listener=_Rebalance(self), session_timeout_ms=cfg.session_timeout_ms,
+        self.assembler = GroupAssembler()
+        self.consumer = make_consumer(cfg.kafka, "verifier", cfg.pipeline.group("verifiers"),
+                                      [cfg.pipeline.topic("completions")], listener=_Rebalance(self),
+                                      session_timeout_ms=cfg.session_timeout_ms,
                                       heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
         self.stopping = False
         self.last_completion_at = time.monotonic()
@@ -90,6 +97,10 @@ class Verifier:
         for tp, msgs in polled.items():
             for msg in msgs:
                 c = self.dead.decode(msg, wire.Completion)
+                if c is not None and c.group_size != self.cfg.pipeline.group_size:
+                    self.dead.send(msg, f"group_size_mismatch: completion of {c.group_id} says G={c.group_size}, "
+                                        f"the pipeline contract G={self.cfg.pipeline.group_size}")
+                    c = None
                 if c is None:
                     self.assembler.skip(tp.partition, msg.offset)
                     continue
@@ -127,8 +138,8 @@ class Verifier:
             record = self._scored_group(r, scored)
             if record is None:
                 continue
-            futures.append((r, self.producer.send(self.cfg.topics.groups.name, key=r.group_id.encode(),
-                                                  value=wire.encode(record))))
+            futures.append((r, self.sender.send(self.cfg.pipeline.topic("groups"), key=r.group_id.encode(),
+                                                value=wire.encode(record))))
             self._observe(record, scored)
         for r, future in futures:
             future.get(timeout=120)  # acked before the group counts as done (and its offsets may be committed)
@@ -137,7 +148,7 @@ class Verifier:
 
     def _scored_group(self, r: Ready, scored: list[RewardResult]) -> wire.ScoredGroup | None:
         rewards = [s.reward for s in scored]
-        mean, std = group_stats(rewards, self.cfg.stats_eps)
+        mean, std = group_stats(rewards, self.cfg.pipeline.stats_eps)
         first = r.members[0].completion
         errors = [s.error for s in scored if s.error]
         record = wire.ScoredGroup(
@@ -170,12 +181,12 @@ class Verifier:
 
     def commit(self) -> None:
         """Commit each partition's low watermark: everything below it is published, deduplicated or dead."""
-        topic = self.cfg.topics.completions.name
+        topic = self.cfg.pipeline.topic("completions")
         offsets = {}
         for tp in self.consumer.assignment():
             mark = self.assembler.watermark(tp.partition)
             if mark is not None:
-                offsets[TopicPartition(topic, tp.partition)] = mark
+                offsets[Partition(topic, tp.partition)] = mark
         commit_processed(self.consumer, offsets)
         self._update_lag()
 
@@ -183,24 +194,21 @@ class Verifier:
         if time.monotonic() - self._lag_at < 2.0:  # an extra round trip: not on every poll
             return
         self._lag_at = time.monotonic()
-        assigned = list(self.consumer.assignment())
-        if assigned:
-            ends = self.consumer.end_offsets(assigned)
-            self.metrics.lag.set(sum(max(0, end - self.consumer.position(tp)) for tp, end in ends.items()))
+        self.metrics.lag.set(assigned_lag(self.consumer))
 
     def stop(self) -> None:
         self.stopping = True
 
     def close(self) -> None:
-        for closer in (self.consumer.close, self.producer.close, self.pool.close):
+        for closer in (self.consumer.close, self.sender.close, self.pool.close):
             try:
                 closer()
             except Exception as exc:  # closing is best effort
                 log.warning("close: %s", exc)
 
 
-def main(config: str | None, overrides: list[str]) -> int:
-    cfg = load_config(VerifierConfig, config, overrides)
+def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
+    cfg = load_config(VerifierConfig, config, overrides, pipeline_file=pipeline)
     verifier = Verifier(cfg)
     return serve(verifier.metrics.registry, cfg.metrics,
                  lambda: (not verifier.stopping, {"pending": len(verifier.assembler.pending)}), verifier.run,

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import BrokerError, make_producer
+from grpo_core.kafka_io import BrokerError, Producer, make_producer
 from grpo_core.retry import retry
 from grpo_core.weights.announcements import announce, latest_announcement
 from grpo_core.weights.common import (
@@ -65,7 +65,7 @@ def _fs(cfg: WeightStoreConfig, kafka: KafkaConfig, weight_data_topic: str, **_:
 
 
 def _kafka(cfg: WeightStoreConfig, kafka: KafkaConfig, weight_data_topic: str, *, stream_run: str | None = None,
-           producer: Any = None) -> WeightStore:
+           producer: Callable[[], Producer] | None = None) -> WeightStore:
     stream = (ChunkStream(kafka, weight_data_topic, stream_run, Path(cfg.kafka.cache_dir))
               if stream_run is not None and cfg.kafka.stream else None)
     return KafkaStore(cfg.kafka, kafka, weight_data_topic, stream=stream, producer=producer)
@@ -82,14 +82,15 @@ class WeightPublisher:
     """
 
     def __init__(self, cfg: WeightStoreConfig, kafka: KafkaConfig, weights_topic: str, weight_data_topic: str,
-                 run: str, contract: str = "", producer: Any = None) -> None:
+                 run: str, contract: str = "", producer: Producer | None = None) -> None:
         self.cfg, self.kafka, self.run, self.contract = cfg, kafka, check_run_name(run), contract
         self.weights_topic = weights_topic
         self._producer, self._owns_producer = producer, producer is None
-        self.store: WeightStore = STORES[cfg.kind](cfg, kafka, weight_data_topic, producer=producer)
+        # One producer for the chunks and the announcements, created on first use.
+        self.store: WeightStore = STORES[cfg.kind](cfg, kafka, weight_data_topic, producer=lambda: self.producer)
 
     @property
-    def producer(self) -> Any:
+    def producer(self) -> Producer:
         """Created on first use: an fs publisher that never announces (tests, tools) needs no broker."""
         if self._producer is None:
             self._producer = make_producer(self.kafka, "weights", compression_type=None)

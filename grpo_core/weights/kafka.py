@@ -24,13 +24,13 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Consumer, Partition, SendFuture, make_producer
+from grpo_core.kafka_io import Consumer, Partition, Producer, SendFuture, make_producer
 from grpo_core.weights.chunks import ChunkAssembler, chunk_consumer
 from grpo_core.weights.common import (
     MODEL_FILE,
@@ -58,23 +58,27 @@ class KafkaStore:
     kind = "kafka"
 
     def __init__(self, cfg: KafkaStoreConfig, kafka: KafkaConfig, topic: str,
-                 stream: ChunkStream | None = None, producer: Any = None) -> None:
+                 stream: ChunkStream | None = None, producer: Callable[[], Producer] | None = None) -> None:
+        """``producer``: where the publisher's (uncompressed) Kafka producer comes from, created on first use;
+        by default one of the store's own."""
         self.cfg, self.kafka, self.topic, self.stream = cfg, kafka, topic, stream
         self.cache_dir = Path(cfg.cache_dir)
-        self._producer, self._owns_producer = producer, producer is None
+        self._make_producer, self._producer = producer, cast(Producer | None, None)
         self._consumer: Consumer | None = None
 
     @property
-    def producer(self) -> Any:
+    def producer(self) -> Producer:
         if self._producer is None:
-            self._producer = make_producer(self.kafka, "weights", compression_type=None)
+            make = self._make_producer or (lambda: make_producer(self.kafka, "weights", compression_type=None))
+            self._producer = make()
         return self._producer
 
     # -- publishing
 
     def publish(self, run: str, version: int, files: Mapping[str, Path]) -> wire.WeightsAnnouncement:
         if len(files) > 1:
-            log.info("weights: kafka store ships only %s; not sending %s", MODEL_FILE, sorted(set(files) - {MODEL_FILE}))
+            log.info("weights: kafka store ships only %s; not sending %s", MODEL_FILE,
+                     sorted(set(files) - {MODEL_FILE}))
         return self._publish(run, version, files[MODEL_FILE])
 
     def _publish(self, run: str, version: int, src: Path) -> wire.WeightsAnnouncement:
@@ -208,7 +212,7 @@ class KafkaStore:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        if self._producer is not None and self._owns_producer:
+        if self._producer is not None and self._make_producer is None:  # a borrowed producer is its owner's to close
             self._producer.close()
         self._producer = None
 

@@ -31,8 +31,11 @@ class Swap:
 
 class WeightSubscriber:
     def __init__(self, consumer: Consumer, topic: str, run: str, fetcher: WeightFetcher, version: int,
-                 retry_after_s: float = 5.0) -> None:
+                 retry_after_s: float = 5.0, contract: str = "") -> None:
+        """``contract``: this producer's pipeline-contract digest; announcements from a learner with another
+        contract are refused (never loaded) and reported in :attr:`refused`."""
         self.consumer, self.topic, self.run, self.fetcher = consumer, topic, run, fetcher
+        self.contract, self.refused = contract, ""
         self.version = version
         self.newest: wire.WeightsAnnouncement | None = None
         self.retry_after_s = retry_after_s
@@ -57,7 +60,15 @@ class WeightSubscriber:
                     continue
                 # The last valid record for the run wins (what compaction keeps), also after a learner rewind.
                 if ann.run == self.run:
-                    self.newest = ann
+                    self._consider(ann)
+
+    def _consider(self, ann: wire.WeightsAnnouncement) -> None:
+        if ann.contract and self.contract and ann.contract != self.contract:
+            self.refused = (f"weights v{ann.version} refused: the learner's pipeline contract is {ann.contract}, "
+                            f"this producer's {self.contract}; give every role the same pipeline section")
+            log.error("%s", self.refused)
+            return
+        self.newest, self.refused = ann, ""
 
     def maybe_swap(self, load: Callable[[Path], None]) -> Swap | None:
         """If a version other than ours was announced, fetch it and ``load(model_dir)``; None if there is nothing

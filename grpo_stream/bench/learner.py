@@ -14,18 +14,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_stream import wire
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, load_config
+from grpo_core.kafka_io import DeadLetters, make_admin, make_consumer, make_producer
+from grpo_learner.config import LearnerConfig
+from grpo_learner.service import load_model
+from grpo_learner.source import GroupSource, SourceRules
+from grpo_learner.trainer import Trainer
 from grpo_stream.bench import temporary_broker
-from grpo_stream.config import KafkaConfig, load_config
-from grpo_stream.kafka_io import DeadLetters, make_admin, make_consumer, make_producer
 from grpo_stream.tiny_model import build_tiny_model
-from learner.config import LearnerConfig
-from learner.service import load_model
-from learner.source import GroupSource, SourceRules
-from learner.trainer import Trainer
 
 TARGET_SHARE = 0.03
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "bench-models"
+CACHE = Path(".cache") / "bench-models"
 
 
 def synthetic_group(gid: str, g: int, prompt_len: int, completion_len: int, vocab: int,
@@ -57,8 +57,8 @@ def measure(bootstrap: str, preset: str, steps: int, g: int, groups_per_batch: i
         group = synthetic_group(f"g{i}", g, prompt_len, completion_len, 300, rng)
         producer.send(topic, key=group.group_id.encode(), value=wire.encode(group))
     producer.flush()
-    cfg = load_config(LearnerConfig, None, [f"model.path={model_dir}", f"group_size={g}",
-                                            f"groups_per_batch={groups_per_batch}", "max_staleness=-1"])
+    cfg = load_config(LearnerConfig, None, [f"model.path={model_dir}", f"pipeline.group_size={g}",
+                                            f"groups_per_batch={groups_per_batch}", "pipeline.max_staleness=-1"])
     trainer = Trainer(cfg, load_model(cfg.model))
     source = GroupSource(make_consumer(kafka, "bench", None), topic, DeadLetters(producer, topic + "-dlq", "bench"),
                          SourceRules(g, True, -1, 0, False), 10_000)

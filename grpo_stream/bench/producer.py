@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
+from grpo_producers.backends.base import Backend, BackendConfig, SamplingConfig, make_backend
 from grpo_stream.bench.swap import measure_swaps
 from grpo_stream.tiny_model import build_tiny_model
-from producers.backends.base import Backend, BackendConfig, SamplingConfig, make_backend
 
-MODELS = Path(__file__).resolve().parents[2] / ".cache" / "bench-models"
+MODELS = Path(".cache") / "bench-models"
 PROMPT_LEN = 16
 
 

@@ -1,15 +1,15 @@
 """Weight swap latency, announcement -> new version in use, for the ``fs`` and ``kafka`` weight stores: part 2 of
 ``grpo-stream bench producer``.
 
-Laid out as deployed: the learner publishes from a process of its own (here a child process, so its Python
-work does not share the producer's interpreter lock), and this process plays the producer, with the allocator
-tuning a producer applies (:func:`~grpo_stream.process.reuse_freed_memory`). For each size the learner
-publishes and announces a file of random bytes as the next version; a :class:`~producers.weights.WeightSubscriber`
+Laid out as deployed: the learner publishes from a process of its own (here a child process, so its Python work
+does not share the producer's interpreter lock), and this process plays the producer, with the allocator tuning a
+producer applies (:func:`~grpo_core.process.reuse_freed_memory`). For each size the learner publishes and
+announces a file of random bytes as the next version; a :class:`~grpo_core.weights.subscriber.WeightSubscriber`
 polls until it sees the announcement, fetches and verifies the file (``load`` is a no-op here: part 1 measures
 the in-memory load). The kafka store is measured twice: downloading after the announcement, and with the
-fetcher's :class:`~grpo_stream.weight_store.ChunkStream` assembling the version while it is published
-(``weights.stream``, the producers' default). Each size is published twice, ``GAP_S`` apart (standing in for
-the training steps between two publications), and the second swap is reported: the steady state of a learner
+fetcher's :class:`~grpo_core.weights.ChunkStream` assembling the version while it is published
+(``weights.kafka.stream``, the producers' default). Each size is published twice, ``GAP_S`` apart (standing in
+for the training steps between two publications), and the second swap is reported: the steady state of a learner
 publishing same-size versions, where the producer's stream has prepared a spare file of that size.
 
 Target: < 1 s per GB (fetch + verify). Below about 1 GB a fixed latency of tens of milliseconds (the
@@ -29,17 +29,25 @@ from pathlib import Path
 
 import numpy as np
 
+from grpo_core.config import KafkaConfig
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import make_admin, make_consumer
+from grpo_core.process import reuse_freed_memory
+from grpo_core.topics import ensure_topics
+from grpo_core.weights import (
+    MODEL_FILE,
+    FsStoreConfig,
+    KafkaStoreConfig,
+    WeightFetcher,
+    WeightPublisher,
+    WeightStoreConfig,
+)
+from grpo_core.weights.subscriber import Swap, WeightSubscriber
 from grpo_stream.bench import temporary_broker
-from grpo_stream.config import KafkaConfig, TopicsConfig
-from grpo_stream.kafka_io import make_admin, make_consumer
-from grpo_stream.process import reuse_freed_memory
-from grpo_stream.topics import ensure_topics
-from grpo_stream.weight_store import MODEL_FILE, WeightFetcher, WeightPublisher, WeightStoreConfig
-from producers.weights import Swap, WeightSubscriber
 
 TARGET_S_PER_GB = 1.0
 VERDICT_FROM_MB = 1000
-WEIGHTS = Path(__file__).resolve().parents[2] / ".cache" / "bench-weights"
+WEIGHTS = Path(".cache") / "bench-weights"
 WRITE_CHUNK = 64 * 1024 * 1024
 CHILD_TIMEOUT_S = 300.0
 GAP_S = 2.0
@@ -61,24 +69,22 @@ def random_file(path: Path, size: int) -> Path:
     return path
 
 
-def fresh_topics(kafka: KafkaConfig) -> TopicsConfig:
+def fresh_topics(kafka: KafkaConfig) -> PipelineContract:
     """The default topic plan under a unique prefix, created on the broker."""
-    topics, prefix = TopicsConfig(), f"bench-{uuid.uuid4().hex[:8]}"
-    for spec in topics.all():
-        spec.name = f"{prefix}-{spec.name}"
+    contract = PipelineContract(run=f"bench-{uuid.uuid4().hex[:8]}")
     admin = make_admin(kafka)
     try:
-        ensure_topics(admin, topics)
+        ensure_topics(admin, contract)
     finally:
         admin.close()
-    return topics
+    return contract
 
 
-def _learner(kafka: KafkaConfig, topics: TopicsConfig, cfg: WeightStoreConfig, run: str, paths: list[str],
+def _learner(kafka: KafkaConfig, topics: PipelineContract, cfg: WeightStoreConfig, run: str, paths: list[str],
              conn: Connection) -> None:
     """The child process: each time the parent asks, publish + announce the next file as the next version and
     answer with the publish seconds."""
-    publisher = WeightPublisher(cfg, kafka, topics, run)
+    publisher = WeightPublisher(cfg, kafka, topics.topic("weights"), topics.topic("weight_data"), run)
     try:
         _ = publisher.producer  # connect before timing: a learner's publisher is long-lived
         conn.send("ready")
@@ -110,16 +116,17 @@ def _swap(subscriber: WeightSubscriber) -> Swap | None:
     return None
 
 
-def measure_store(kind: str, kafka: KafkaConfig, topics: TopicsConfig, files: dict[int, Path],
+def measure_store(kind: str, kafka: KafkaConfig, topics: PipelineContract, files: dict[int, Path],
                   stream: bool = False) -> None:
     """A learner process publishes each file as the next version; this process swaps to it. One line per size.
-    ``stream``: the kafka fetcher assembles chunks while they are published (``weights.stream``)."""
+    ``stream``: the kafka fetcher assembles chunks while they are published (``weights.kafka.stream``)."""
     root = WEIGHTS / f"{kind}-store"
-    cfg = WeightStoreConfig(kind=kind, root=str(root))  # type: ignore[arg-type]
+    cfg = WeightStoreConfig(kind=kind, fs=FsStoreConfig(root=str(root)),  # type: ignore[arg-type]
+                            kafka=KafkaStoreConfig(cache_dir=str(WEIGHTS / f"{kind}-cache"), stream=stream))
     run, label = f"bench-{kind}-{'stream' if stream else 'download'}", f"{kind}{' stream' if stream else ''}"
-    fetcher = WeightFetcher(cfg, kafka, cache_dir=WEIGHTS / f"{kind}-cache",
-                            stream=(topics.weight_data.name, run) if stream else None)
-    subscriber = WeightSubscriber(make_consumer(kafka, "bench-weights", None), topics.weights.name, run, fetcher, 0)
+    fetcher = WeightFetcher(cfg, kafka, topics.topic("weight_data"), stream_run=run if kind == "kafka" else None)
+    subscriber = WeightSubscriber(make_consumer(kafka, "bench-weights", None), topics.topic("weights"), run,
+                                  fetcher, 0)
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter, as a learner on its own machine would be
     conn, child_end = ctx.Pipe()
     sizes = sorted(files)
@@ -180,7 +187,7 @@ def measure_swaps(bootstrap: str | None, sizes_mb: list[int]) -> None:
                 measure_store(kind, kafka, topics, files, stream)
             admin = make_admin(kafka)
             try:
-                admin.delete_topics([spec.name for spec in topics.all()])
+                admin.delete_topics([spec.name for spec in topics.topic_plan()])
             finally:
                 admin.close()
     finally:

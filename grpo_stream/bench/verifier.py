@@ -12,11 +12,12 @@ import uuid
 
 import numpy as np
 
-from grpo_stream import wire
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, load_config
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import make_admin, make_producer
+from grpo_core.topics import ensure_topics
 from grpo_stream.bench import temporary_broker
-from grpo_stream.config import KafkaConfig, TopicsConfig, load_config, to_dict
-from grpo_stream.kafka_io import make_admin, make_producer
-from grpo_stream.topics import ensure_topics
 
 G = 16
 SOLUTION = ("Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether in April and May. "
@@ -41,23 +42,20 @@ def completions(n_groups: int, task: str, rng: np.random.Generator) -> list[wire
 
 
 def measure(bootstrap: str, task: str, n_groups: int, workers: int) -> dict[str, float]:
-    from verifiers.config import VerifierConfig
-    from verifiers.service import Verifier
+    from grpo_verifiers.config import VerifierConfig
+    from grpo_verifiers.service import Verifier
 
-    plan = TopicsConfig()
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    for spec in plan.all():
-        spec.name = f"{prefix}-{spec.name}"
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    plan = PipelineContract(run=run)
     admin = make_admin(KafkaConfig(bootstrap=bootstrap))
     ensure_topics(admin, plan)
     producer = make_producer(KafkaConfig(bootstrap=bootstrap), "bench")
     for c in completions(n_groups, task, np.random.default_rng(0)):
-        producer.send(plan.completions.name, key=c.group_id.encode(), value=wire.encode(c))
+        producer.send(plan.topic("completions"), key=c.group_id.encode(), value=wire.encode(c))
     producer.flush()
     producer.close()
     cfg = load_config(VerifierConfig, None, [
-        f"kafka.bootstrap={bootstrap}", f"consumer_group={prefix}-v", "metrics.port=-1",
-        f"rewards.workers={workers}", *[f"topics.{k}.name={v['name']}" for k, v in to_dict(plan).items()]])
+        f"kafka.bootstrap={bootstrap}", f"pipeline.run={run}", "metrics.port=-1", f"rewards.workers={workers}"])
     verifier = Verifier(cfg)
     verifier.pool.wait_ready(120)
     timings = _instrument(verifier)
@@ -67,7 +65,7 @@ def measure(bootstrap: str, task: str, n_groups: int, workers: int) -> dict[str,
         _one_round(verifier)
     wall = time.perf_counter() - t0
     verifier.close()
-    admin.delete_topics([s.name for s in plan.all()])
+    admin.delete_topics([s.name for s in plan.topic_plan()])
     admin.close()
     return {"groups_per_s": n_groups / wall, "wall": wall, **{k: v / wall for k, v in timings.items()}}
 

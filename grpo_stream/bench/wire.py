@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from grpo_stream import wire
+from grpo_core import wire
+from grpo_core.config import KafkaConfig
 from grpo_stream.bench import temporary_broker
-from grpo_stream.config import KafkaConfig
 
 TARGET_DECODE_MB_S = 200.0
 
@@ -69,13 +69,11 @@ def codec_figures(seconds: float) -> list[tuple[str, float, float]]:
 
 def kafka_figures(bootstrap: str, records: int) -> tuple[float, float, float, float]:
     """Produce ``records`` ScoredGroups to a fresh topic and consume them back; (MB/s, rec/s) each way."""
-    from kafka import KafkaAdminClient
-
-    from grpo_stream.kafka_io import make_consumer, make_producer
+    from grpo_core.kafka_io import make_admin, make_consumer, make_producer
 
     cfg = KafkaConfig(bootstrap=bootstrap)
     topic = f"bench-wire-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = make_admin(cfg, "bench")
     admin.create_topics({topic: {"num_partitions": 4, "replication_factor": 1}})
     admin.wait_for_topics([topic])
     payloads = [wire.encode(make_group(f"g{i}@e0r0", seed=i)) for i in range(min(records, 64))]

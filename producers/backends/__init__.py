@@ -1,6 +1,6 @@
 """Generation backends for the producer (``hf``, ``vllm``) behind :class:`Backend`; see ``base``."""
 
-from producers.backends.base import (
+from grpo_producers.backends.base import (
                                      BACKENDS,
                                      Backend,
                                      BackendConfig,

@@ -1,7 +1,7 @@
 """The producer's generation backends behind one small interface: prompts (token ids) in, samples out.
 
-Two implementations: :class:`~producers.backends.hf.HFBackend` (``transformers.generate``; simple, starts in a
-second, the choice for tests, the CPU demo and short runs) and :class:`~producers.backends.vllm.VLLMBackend`
+Two implementations: :class:`~grpo_producers.backends.hf.HFBackend` (``transformers.generate``; simple, starts in a
+second, the choice for tests, the CPU demo and short runs) and :class:`~grpo_producers.backends.vllm.VLLMBackend`
 (an in-process ``vllm.LLM`` engine; ~20 s to start on CPU, much faster per token afterwards, the production
 choice). :func:`make_backend` builds either from a :class:`BackendConfig`; vLLM is imported only when asked for.
 
@@ -24,7 +24,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from grpo_stream.config import opt, require
+from grpo_core.config import opt, require
 
 FinishReason = Literal["stop", "length"]
 BackendKind = Literal["hf", "vllm"]
@@ -46,7 +46,9 @@ class SamplingConfig:
     temperature: float = opt(1.0, "Sampling temperature; 0 = greedy (deterministic). Logprobs stay raw (T=1).")
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1 = off).")
     top_k: int = opt(0, "Sample among the k most likely tokens only (0 = off).")
-    max_tokens: int = opt(256, "Most completion tokens per sample (prompt + max_tokens must fit the context).")
+    max_tokens: int | None = opt(
+        None, "Most completion tokens per sample (prompt + max_tokens must fit the context). null: the pipeline "
+              "contract's max_new_tokens.")
     stop: list[str] = opt(help="Stop strings: a sample ends with the token that completes one of them "
                                "(its text ends with the stop string, finish_reason 'stop').", factory=list)
     seed: int | None = opt(None, "Seed for this call's sampling (reproducible batches); None: the backend's own "
@@ -56,7 +58,8 @@ class SamplingConfig:
         require(self.temperature >= 0, f"sampling.temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         require(0 < self.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {self.top_p}")
         require(self.top_k >= 0, f"sampling.top_k: must be >= 0 (0 = off), got {self.top_k}")
-        require(self.max_tokens >= 1, f"sampling.max_tokens: must be >= 1, got {self.max_tokens}")
+        require(self.max_tokens is None or self.max_tokens >= 1,
+                f"sampling.max_tokens: must be >= 1, got {self.max_tokens}")
         require(all(isinstance(s, str) and s for s in self.stop), "sampling.stop: stop strings must be non-empty")
         require(self.seed is None or self.seed >= 0, f"sampling.seed: must be >= 0 or null, got {self.seed}")
 
@@ -138,13 +141,13 @@ class BackendConfig:
 
 
 def _make_hf(cfg: BackendConfig) -> Backend:
-    from producers.backends.hf import HFBackend
+    from grpo_producers.backends.hf import HFBackend
 
     return HFBackend(cfg)
 
 
 def _make_vllm(cfg: BackendConfig) -> Backend:
-    from producers.backends.vllm import VLLMBackend  # imports vllm (seconds, and absent on some installs)
+    from grpo_producers.backends.vllm import VLLMBackend  # imports vllm (seconds, and absent on some installs)
 
     return VLLMBackend(cfg)
 

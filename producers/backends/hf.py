@@ -31,11 +31,18 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from producers.backends.base import BackendConfig, Sample, SamplingConfig, check_request, stop_cut, stop_lookback_tokens
+from grpo_producers.backends.base import (
+    BackendConfig,
+    Sample,
+    SamplingConfig,
+    check_request,
+    stop_cut,
+    stop_lookback_tokens,
+)
 
 
 class HFBackend:
-    """:class:`~producers.backends.base.Backend` on ``transformers`` (one model, one device)."""
+    """:class:`~grpo_producers.backends.base.Backend` on ``transformers`` (one model, one device)."""
 
     name = "hf"
 
@@ -167,7 +174,7 @@ class StopStrings(StoppingCriteria):
     """Ends a sequence as soon as its completion text contains a stop string (an early exit only).
 
     Unlike ``generate(stop_strings=...)`` it looks at the completion alone, never at a stop string straddling
-    the prompt, so it agrees with :func:`~producers.backends.base.stop_cut`, which decides where a sample ends.
+    the prompt, so it agrees with :func:`~grpo_producers.backends.base.stop_cut`, which decides where a sample ends.
     Only the last few tokens are decoded per step (:func:`stop_lookback_tokens`): O(tokens), not O(tokens^2).
     """
 

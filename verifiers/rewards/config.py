@@ -20,8 +20,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from grpo_stream.config import ConfigError, opt, require
-from verifiers.rewards.builtins import BUILTINS, resolve
+from grpo_core.config import ConfigError, opt, require
+from grpo_verifiers.rewards.builtins import BUILTINS, resolve
 
 StartMethod = Literal["spawn", "forkserver"]
 DEFAULT_TASK = "default"
@@ -42,7 +42,7 @@ class RewardTerm:
 
 @dataclass
 class RewardConfig:
-    """The rewards library and its sandbox (``verifiers.rewards.RewardPool``)."""
+    """The rewards library and its sandbox (``grpo_verifiers.rewards.RewardPool``)."""
 
     by_task: dict[str, list[RewardTerm]] = opt(
         factory=dict, help="Task name -> weighted reward terms; key 'default' serves unmapped tasks. A task named "

@@ -96,7 +96,7 @@ def math_answer(completion: str, prompt: str, metadata: dict[str, Any], *, tail_
     """1.0 when the completion's final answer is mathematically equivalent to a gold answer, else 0.0."""
     from math_verify import verify
 
-    from verifiers.rewards.builtins import answers_of, cut_special
+    from grpo_verifiers.rewards.builtins import answers_of, cut_special
 
     del prompt
     golds = [parse_gold(a, parse_timeout_s) for a in answers_of(metadata)]
@@ -112,7 +112,7 @@ def math_answer(completion: str, prompt: str, metadata: dict[str, Any], *, tail_
 
 def check_params(tail_chars: int = 4000, parse_timeout_s: int = 3, verify_timeout_s: int = 3,
                  float_rounding: int = 6, strict: bool = True) -> None:
-    """Config-time validation of the ``math`` params (see :mod:`verifiers.rewards.builtins`)."""
+    """Config-time validation of the ``math`` params (see :mod:`grpo_verifiers.rewards.builtins`)."""
     ints = {"tail_chars": tail_chars, "parse_timeout_s": parse_timeout_s, "verify_timeout_s": verify_timeout_s,
             "float_rounding": float_rounding}
     for name, value in ints.items():

@@ -47,9 +47,9 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from grpo_stream.config import ConfigError, validate_tree
-from verifiers.rewards.config import RewardConfig
-from verifiers.rewards.registry import MAX_ERROR_CHARS, Plan, PlannedTerm, TermOutcome, call_term, exception_reason
+from grpo_core.config import ConfigError, validate_tree
+from grpo_verifiers.rewards.config import RewardConfig
+from grpo_verifiers.rewards.registry import MAX_ERROR_CHARS, Plan, PlannedTerm, TermOutcome, call_term, exception_reason
 
 log = logging.getLogger(__name__)
 

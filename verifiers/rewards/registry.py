@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from verifiers.rewards.builtins import BUILTINS, RewardFn, resolve
-from verifiers.rewards.config import RewardConfig, RewardTerm
+from grpo_verifiers.rewards.builtins import BUILTINS, RewardFn, resolve
+from grpo_verifiers.rewards.config import RewardConfig, RewardTerm
 
 MAX_INFO_CHARS = 4096  # a term's info travels in every ScoredGroup: keep it a summary, not a transcript
 MAX_ERROR_CHARS = 300

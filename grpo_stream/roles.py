@@ -1,0 +1,22 @@
+"""The roles a ``grpo-stream`` command can start, and the typed config class of each (imported on demand: a
+role's module pulls in torch or transformers, which ``config explain`` and ``k8s check`` should not pay for)."""
+
+from __future__ import annotations
+
+import importlib
+
+# role -> (module with main(config, overrides, pipeline), its config class)
+ROLE_MODULES: dict[str, tuple[str, str]] = {
+    "learner": ("grpo_learner.service", "grpo_learner.config:LearnerConfig"),
+    "producer": ("grpo_producers.service", "grpo_producers.config:ProducerConfig"),
+    "verifier": ("grpo_verifiers.service", "grpo_verifiers.config:VerifierConfig"),
+    "feed": ("grpo_producers.feeder", "grpo_producers.feeder:FeederConfig"),
+    "feeder": ("grpo_producers.feeder", "grpo_producers.feeder:FeederConfig"),
+    "pipeline": ("", "grpo_core.contract:PipelineContract"),
+    "topics": ("", "grpo_core.topics:TopicsFileConfig"),
+}
+
+
+def config_class(role: str) -> type:
+    module, name = ROLE_MODULES[role][1].split(":")
+    return getattr(importlib.import_module(module), name)

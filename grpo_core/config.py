@@ -126,9 +126,13 @@ class MetricsConfig:
 
     host: str = opt("127.0.0.1", "Bind address; 0.0.0.0 inside containers.")
     port: int = opt(0, "Port; 0 picks a free one (logged at start-up); -1 disables the endpoint.")
+    stall_s: float = opt(
+        600.0, "/health turns 503 when work is waiting (lag on the partitions held) but nothing progressed for this "
+               "long; a k8s liveness probe then restarts the process (0: off).")
 
     def validate(self) -> None:
         require(-1 <= self.port <= 65535, "metrics.port: must be -1 (off), 0 (any) or a port number")
+        require(self.stall_s >= 0, "metrics.stall_s: must be >= 0 (0: off)")
 
 
 # ------------------------------------------------------------------------------------------ loading

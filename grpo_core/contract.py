@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_core.config import ConfigError, TopicsConfig, TopicSpec, opt, require
+from grpo_core.config import ConfigError, KafkaConfig, TopicsConfig, TopicSpec, opt, require
 
 TopicKey = Literal["prompts", "completions", "groups", "weights", "weight_data", "dlq"]
 GroupKey = Literal["producers", "verifiers", "learner"]
@@ -90,6 +90,10 @@ class PipelineContract:
 
     def topic_spec(self, key: TopicKey) -> TopicSpec:
         return dataclasses.replace(getattr(self.topics, key), name=self.topic(key))
+
+    def record_limit(self, key: TopicKey, kafka: KafkaConfig) -> int:
+        """The largest record a client may send to one topic: the client's limit or the topic's, the smaller."""
+        return min(kafka.max_record_bytes, getattr(self.topics, key).max_message_bytes)
 
     def digest(self) -> str:
         """A short hash of everything in the contract: equal digests mean the roles agree."""

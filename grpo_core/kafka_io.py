@@ -14,6 +14,7 @@ Reliability in grpo-stream rests on two rules implemented here once:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -146,44 +147,81 @@ def make_admin(cfg: KafkaConfig, role: str = "admin") -> KafkaAdminClient:
 # ------------------------------------------------------------------------------------------ the commit rule
 
 
-def commit_processed(consumer: KafkaConsumer, next_offsets: Mapping[TopicPartition, int]) -> None:
+def commit_processed(consumer: KafkaConsumer, next_offsets: Mapping[TopicPartition, int]) -> bool:
     """THE offset-commit rule: commit ``next_offsets`` (the offset of the next record to read, per partition)
     only after the effect of every record below them is durable -- published and acknowledged downstream,
     written to the dlq, or saved in a checkpoint. Kafka resumes a restarted consumer group at the committed
     offset, so committing earlier could lose a record and committing later only re-delivers (which every
     consumer tolerates by deduplicating on record identity). Callers pass only durable progress; nothing
-    else in the code base commits offsets."""
-    if next_offsets:
+    else in the code base commits offsets.
+
+    A commit the broker does not take (broker down, or this member dropped from the group while it was) is not
+    fatal: it returns False and the next commit carries the same or later offsets, since offsets only move
+    forward. Until then a restart or a rebalance re-delivers those records, which is the safe direction."""
+    if not next_offsets:
+        return True
+    try:
         consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in next_offsets.items()})
+    except KafkaError as exc:
+        log.warning("offset commit not taken (%s: %s); the next commit retries it", type(exc).__name__, exc)
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------ dead letters
 
 
+# Room a dead letter needs beyond its raw bytes: reason, coordinates, key, field names, record and batch headers.
+DEAD_LETTER_OVERHEAD_BYTES = 64 * 1024
+MAX_DEAD_KEY_BYTES = 4096
+
+
+def dead_letter_key(topic: str, partition: int, offset: int) -> bytes:
+    """The dlq key of a dead letter: its source coordinates, so a record dead-lettered again after a replay is
+    recognised as the same one: counting distinct keys counts each bad record once."""
+    return f"{topic}/{partition}/{offset}".encode()
+
+
 class DeadLetters:
-    """Writes undecodable/invalid records to the dlq topic and counts them by reason."""
+    """Writes undecodable/invalid records to the dlq topic and counts them by reason.
+
+    A dead letter always fits the dlq: ``max_record_bytes`` is the smaller of the client's and the dlq topic's
+    record limits, and a record too large to be copied whole keeps a prefix, its full size and its sha256."""
 
     def __init__(self, producer: KafkaProducer, topic: str, service: str,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, max_record_bytes: int = 1 << 20) -> None:
         self.producer, self.topic, self.service = producer, topic, service
         self.on_dead = on_dead or (lambda reason: None)
+        self.max_raw = max(0, max_record_bytes - DEAD_LETTER_OVERHEAD_BYTES)
+
+    def letter(self, msg: ConsumerRecord, reason: str) -> wire.DeadLetter:
+        raw = bytes(msg.value or b"")
+        cut = len(raw) > self.max_raw
+        return wire.DeadLetter(
+            source_topic=msg.topic, partition=msg.partition, offset=msg.offset, reason=reason[:4000],
+            raw=raw[:self.max_raw], service=self.service, key=bytes(msg.key or b"")[:MAX_DEAD_KEY_BYTES],
+            at=wire.now(), raw_size=len(raw), raw_sha256=hashlib.sha256(raw).hexdigest(), truncated=cut)
 
     def send(self, msg: ConsumerRecord, reason: str) -> None:
         """Publish one dead letter and wait for the broker's ack: the caller commits past it afterwards."""
-        letter = wire.DeadLetter(
-            source_topic=msg.topic, partition=msg.partition, offset=msg.offset, reason=reason[:4000],
-            raw=bytes(msg.value or b""), service=self.service, key=bytes(msg.key or b""), at=wire.now())
-        self.producer.send(self.topic, key=letter.key or None, value=wire.encode(letter)).get(timeout=60)
+        letter = self.letter(msg, reason)
+        key = dead_letter_key(msg.topic, msg.partition, msg.offset)
+        self.producer.send(self.topic, key=key, value=wire.encode(letter)).get(timeout=60)
         log.warning("%s: dead-lettered %s[%d]@%d: %s", self.service, msg.topic, msg.partition, msg.offset, reason)
         self.on_dead(reason.split(":", 1)[0])
 
     def decode(self, msg: ConsumerRecord, expected: type[R]) -> R | None:
         """Decode ``msg`` as ``expected``; on failure dead-letter it and return None (the caller moves on)."""
+        return self.decode_or_reason(msg, expected)[0]
+
+    def decode_or_reason(self, msg: ConsumerRecord, expected: type[R]) -> tuple[R | None, str]:
+        """As :meth:`decode`, with the dead letter's reason ('' when it decoded) for the caller's records."""
         try:
-            return wire.decode(msg.value, expected)
+            return wire.decode(msg.value, expected), ""
         except wire.WireError as exc:
-            self.send(msg, f"decode: {exc}")
-            return None
+            reason = f"decode: {exc}"
+            self.send(msg, reason)
+            return None, reason
 
 
 # ------------------------------------------------------------------------------------------ lag

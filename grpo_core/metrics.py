@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -24,9 +25,31 @@ HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
 
 
 def dead_letter_counter(registry: CollectorRegistry, role: str) -> Counter:
-    """Every role counts the records it sent to the dlq, by reason class (e.g. ``decode``)."""
-    return Counter(f"grpo_stream_{role}_dead_letters_total", "Records written to the dlq topic",
+    """Every role counts the records it sent to the dlq, by reason class (e.g. ``decode``). A process counter,
+    as Prometheus counters are: it starts at 0 with the process, and ``rate()``/``increase()`` handle the reset.
+    The dlq topic is the durable record (one key per bad source record: count distinct keys for totals)."""
+    return Counter(f"grpo_stream_{role}_dead_letters_total",
+                   "Records this process wrote to the dlq topic (reset on restart; the dlq topic keeps them all)",
                    ["reason"], registry=registry)
+
+
+class Liveness:
+    """``/health`` as progress, not mere presence: unhealthy while work waits and nothing progressed for
+    ``stall_s``. The service's loop calls :meth:`progressed` after durable work and sets :attr:`waiting` when it
+    holds partitions with records it has not processed (the health probe runs on another thread and must not touch
+    Kafka clients). This also catches a consumer the client library left wedged in a group it no longer serves."""
+
+    def __init__(self, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_s, self.clock = stall_s, clock
+        self.last_progress, self.waiting = clock(), False
+
+    def progressed(self) -> None:
+        self.last_progress = self.clock()
+
+    def check(self) -> tuple[bool, dict[str, Any]]:
+        idle = self.clock() - self.last_progress
+        stalled = self.stall_s > 0 and self.waiting and idle >= self.stall_s
+        return not stalled, {"waiting": self.waiting, "idle_s": round(idle, 1), "stalled": stalled}
 
 
 class MetricsServer:

@@ -8,7 +8,9 @@ unbounded.
 
 A version *ahead* of the learner (negative staleness) is possible after a learner restart from a checkpoint
 older than a version it had already announced; those samples carry their behaviour logprobs, so they are
-trained like fresh ones (staleness counted as 0).
+trained like fresh ones (staleness counted as 0). A version ahead of every version the run ever announced is
+not possible at all: no producer can have sampled with weights that were never published, so such a group is
+invalid (:func:`from_the_future`) and dead-lettered.
 """
 
 from __future__ import annotations
@@ -21,3 +23,8 @@ def staleness(step: int, version: int) -> int:
 
 def too_stale(step: int, version: int, max_staleness: int) -> bool:
     return max_staleness >= 0 and staleness(step, version) > max_staleness
+
+
+def from_the_future(version: int, step: int, newest_announced: int) -> bool:
+    """Whether ``version`` is newer than both the learner's step and every version the run has announced."""
+    return version > max(step, newest_announced)

@@ -244,6 +244,10 @@ class DeadLetter(Record):
     service: str = ""
     key: bytes = b""
     at: float = 0.0
+    # A record too large for the dlq keeps only a prefix in ``raw``; its full size and sha256 identify it.
+    raw_size: int = -1  # -1: not recorded (``raw`` is complete)
+    raw_sha256: str = ""
+    truncated: bool = False
 
 
 RECORD_TYPES: dict[str, type[Record]] = {

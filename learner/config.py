@@ -63,6 +63,9 @@ class LearnerConfig:
         "earliest", "Where a run without a checkpoint starts reading the groups topic.")
     accept_partial: bool = opt(True, "Train groups a verifier published as partial (fewer than G members).")
     groups_per_batch: int = opt(8, "B: scored groups per learner step.")
+    flush_after_s: float = opt(
+        0.0, "Train a short batch of the groups queued once no group arrived for this long, so the tail of a "
+             "finite feed is trained too (0: always wait for groups_per_batch).")
     grad_steps_per_batch: int = opt(1, "i (paper): optimizer steps taken on each batch.")
     publish_every: int = opt(1, "v (paper): publish weights every v learner steps.")
     micro_batch_tokens: int = opt(16384, "Token budget (rows x padded length) of one forward/backward.")
@@ -81,6 +84,7 @@ class LearnerConfig:
 
     def validate(self) -> None:
         require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
+        require(self.flush_after_s >= 0, "flush_after_s: must be >= 0 (0: off)")
         require(self.grad_steps_per_batch >= 1, "grad_steps_per_batch: must be >= 1 (the paper's i)")
         require(self.publish_every >= 1, "publish_every: must be >= 1 (the paper's v)")
         require(self.micro_batch_tokens >= 64, "micro_batch_tokens: must be >= 64")

@@ -18,9 +18,10 @@ from transformers import AutoModelForCausalLM
 from grpo_core import wire
 from grpo_core.config import load_config, to_dict
 from grpo_core.kafka_io import DeadLetters, assigned_lag, make_consumer, make_producer
+from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.staleness import staleness
-from grpo_core.weights import WeightPublisher, latest_announcement
+from grpo_core.weights import WeightPublisher, read_announcements
 from grpo_learner import checkpoint
 from grpo_learner.config import LearnerConfig, ModelConfig
 from grpo_learner.lineage import Lineage
@@ -62,7 +63,8 @@ class Learner:
         self.metrics = LearnerMetrics(self.out / "metrics.jsonl")
         self.sender = make_producer(cfg.kafka, "learner")
         self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "learner",
-                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc(),
+                                max_record_bytes=cfg.pipeline.record_limit("dlq", cfg.kafka))
         max_len = cfg.max_seq_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
         rules = SourceRules(cfg.pipeline.group_size, cfg.accept_partial, cfg.pipeline.max_staleness, max_len,
                             cfg.advantages.zero_variance == "drop")
@@ -76,6 +78,7 @@ class Learner:
                                          contract=cfg.pipeline.digest())
         self.lineage = Lineage(self.out / "lineage.jsonl")
         self.stopping = False
+        self.liveness, self._lag_at = Liveness(cfg.metrics.stall_s), 0.0
         self.last_group_at = time.monotonic()
 
     # ---- start-up ----------------------------------------------------------------------------------
@@ -95,7 +98,9 @@ class Learner:
         if dropped:
             log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
         self.source.start(offsets, self.cfg.start_from)
-        latest = latest_announcement(self.cfg.kafka, self.cfg.pipeline.topic("weights"), self.cfg.pipeline.run)
+        latest, highest = read_announcements(self.cfg.kafka, self.cfg.pipeline.topic("weights"),
+                                             self.cfg.pipeline.run)
+        self.source.newest_announced = highest
         if self.cfg.publish_initial and announcement_is_behind(latest, self.step, self.cfg.publish_every,
                                                                self.cfg.pipeline.digest()):
             self.publish()
@@ -104,7 +109,8 @@ class Learner:
     def run(self) -> int:
         cfg = self.cfg
         while not self._done():
-            pick = self.source.next_batch(self.step, cfg.groups_per_batch, self._should_stop, cfg.poll_timeout_ms)
+            pick = self.source.next_batch(self.step, cfg.groups_per_batch, self._should_stop, cfg.poll_timeout_ms,
+                                          cfg.flush_after_s)
             if pick is None:
                 break
             self.last_group_at = time.monotonic()
@@ -118,6 +124,7 @@ class Learner:
     def _after_step(self, pick: Pick, stats: StepStats) -> None:
         trained_at = self.step
         self.step += 1
+        self.liveness.progressed()
         trained, dropped = lineage_entries(pick, trained_at)
         self.lineage.record(self.step, trained, dropped, skipped_updates=stats.skipped_updates)
         self.source.commit()
@@ -145,11 +152,16 @@ class Learner:
         return self.stopping or (self.cfg.max_steps > 0 and self.step >= self.cfg.max_steps)
 
     def _should_stop(self) -> bool:
+        """Asked on every poll while waiting for a batch (the main thread: Kafka clients may be used here)."""
+        if time.monotonic() - self._lag_at >= 5.0:  # work waits when a batch's worth is there and not trained
+            self._lag_at = time.monotonic()
+            self.liveness.waiting = self._lag() >= self.cfg.groups_per_batch
         idle = self.cfg.idle_timeout_s > 0 and time.monotonic() - self.last_group_at > self.cfg.idle_timeout_s
         return self.stopping or idle
 
     def _lag(self) -> int:
-        return assigned_lag(self.source.consumer, self.source.position)
+        """Groups received or waiting in the topic that this learner may still train (what its group shows)."""
+        return assigned_lag(self.source.consumer, self.source.visible or self.source.position)
 
     # ---- durable effects ---------------------------------------------------------------------------
     def save_checkpoint(self) -> float:
@@ -171,6 +183,7 @@ class Learner:
             files = {name: Path(tmp) / name for name in ("model.safetensors", "config.json")}
             ann = self.publisher.publish(self.step, files)
         self.publisher.announce(ann)
+        self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)
         log.info("published weights v%d (%d bytes, sha256 %s)", self.step, ann.size_bytes, ann.sha256[:12])
         return time.perf_counter() - t0
@@ -192,8 +205,12 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
         learner.restore()
         log.info("learner stopped at step %d", learner.run())
 
-    return serve(learner.metrics.registry, cfg.metrics, lambda: (not learner.stopping, {"step": learner.step}),
-                 run, learner.stop, learner.close, "finishing the current step, then checkpointing")
+    def health() -> tuple[bool, dict[str, object]]:
+        live, detail = learner.liveness.check()
+        return not learner.stopping and live, {"step": learner.step, **detail}
+
+    return serve(learner.metrics.registry, cfg.metrics, health, run, learner.stop, learner.close,
+                 "finishing the current step, then checkpointing")
 
 
 def _yaml(data: dict) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from grpo_core import wire
 from grpo_core.kafka_io import Consumer, DeadLetters, Partition, commit_processed, with_retry
-from grpo_core.staleness import staleness, too_stale
+from grpo_core.staleness import from_the_future, staleness, too_stale
 from grpo_core.stats import is_zero_variance
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class GroupSource:
         self.position: dict[int, int] = {}  # next offset per partition, of what batches accounted for
         self.seen: OrderedDict[str, None] = OrderedDict()  # trained group ids (duplicates are ignored)
         self.dedup_window = dedup_window
+        self.newest_announced = -1  # the highest version this run has announced (the learner keeps it current)
+        self.visible: dict[int, int] = {}  # the consumer group's committed offsets (for lag and backpressure)
+        self.last_arrival = time.monotonic()
 
     # ---- start-up ----------------------------------------------------------------------------------
     def start(self, offsets: dict[int, int] | None, start_from: str) -> None:
@@ -93,36 +96,70 @@ class GroupSource:
         self.seen = OrderedDict.fromkeys(ids[-self.dedup_window:])
 
     # ---- batches -----------------------------------------------------------------------------------
-    def next_batch(self, step: int, size: int, should_stop: Callable[[], bool], poll_ms: int) -> Pick | None:
-        """Block until ``size`` admissible groups are queued, then take them (and the drops before them).
+    def next_batch(self, step: int, size: int, should_stop: Callable[[], bool], poll_ms: int,
+                   flush_after_s: float = 0.0) -> Pick | None:
+        """Block until ``size`` admissible groups are queued, then take them (and the drops before them). With
+        ``flush_after_s`` > 0, fewer do once no record arrived for that long (the tail of a finite feed).
 
         Returns None when ``should_stop()`` turns true first (nothing is taken then)."""
         t0 = time.monotonic()
-        while self._admissible(step) < size:
+        while (ready := self._admissible(step)) < size:
+            if flush_after_s > 0 and ready and time.monotonic() - self.last_arrival >= flush_after_s:
+                size = ready
+                break
             if should_stop():
                 return None
-            self._poll(poll_ms, max_records=max(size * 2, 16))
+            self._poll(poll_ms, max(size * 2, 16), step)
+            self._show_drops(step)
         pick = self._take(step, size)
         pick.wait_s = time.monotonic() - t0
         return pick
 
     def commit(self) -> None:
         """Publish progress to the consumer group (visibility only; the checkpoint is the source of truth)."""
-        commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in self.position.items()})
+        self.visible = {p: max(o, self.visible.get(p, 0)) for p, o in self.position.items()}
+        commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in self.visible.items()})
 
-    def _poll(self, poll_ms: int, max_records: int) -> None:
+    def _show_drops(self, step: int) -> None:
+        """Commit past the queued groups this learner will drop whatever happens, while it waits for a batch.
+
+        Per partition, the committed offset moves from the position over the head of the queue as long as the
+        groups there are droppable: stale, invalid or duplicate are final verdicts, since steps only grow. The
+        producers measure their backlog from this offset, so stale groups stop holding generation back as soon
+        as they are known (with a tight staleness bound the pipeline would otherwise stand still: the producers
+        wait for the learner to consume, the learner for fresh groups). The drops are accounted for as always,
+        in the lineage line and the checkpoint of the step that takes them."""
+        visible, blocked = dict(self.visible), set()
+        for p, o in self.position.items():
+            visible[p] = max(o, visible.get(p, 0))
+        for item in self.queue:
+            if item.partition in blocked:
+                continue
+            if self._drop_reason(item, step):
+                visible[item.partition] = max(visible.get(item.partition, 0), item.offset + 1)
+            else:
+                blocked.add(item.partition)
+        if visible != self.visible:
+            self.visible = visible
+            commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in visible.items()})
+
+    def _poll(self, poll_ms: int, max_records: int, step: int) -> None:
         for tp, msgs in self.consumer.poll(timeout_ms=poll_ms, max_records=max_records).items():
+            self.last_arrival = time.monotonic()
             for msg in msgs:
-                group = self.dead.decode(msg, wire.ScoredGroup)
-                item = Item(tp.partition, msg.offset, group, "" if group else "invalid")
-                if group is not None and (reason := self._invalid(group)):
+                group, reason = self.dead.decode_or_reason(msg, wire.ScoredGroup)
+                item = Item(tp.partition, msg.offset, group, reason)
+                if group is not None and (reason := self._invalid(group, step)):
                     self.dead.send(msg, f"{reason}: group {group.group_id}")
                     item.group, item.reason, item.group_id = None, reason, group.group_id
                 self.queue.append(item)
 
-    def _invalid(self, g: wire.ScoredGroup) -> str:
+    def _invalid(self, g: wire.ScoredGroup, step: int) -> str:
         """Why a decodable group still cannot be trained (it then goes to the dlq), or ''."""
         r = self.rules
+        if from_the_future(g.policy_version, step, self.newest_announced):
+            return (f"future_version: v{g.policy_version} was never announced (newest v{self.newest_announced}, "
+                    f"learner step {step})")
         if g.group_size != r.group_size:
             return (f"wrong_group_size: the group says G={g.group_size}, the pipeline contract "
                     f"G={r.group_size}")

@@ -35,12 +35,18 @@ class ProducerConfig:
         "ConfigMap in k8s): the live knobs.")
     backpressure_poll_s: float = opt(1.0, "How often a paused producer re-checks offsets and weights.")
     initial_version: int = opt(0, "Policy version of the weights the backend starts with (the learner's v0).")
+    weights_catchup_s: float = opt(
+        60.0, "At start-up, read the weights topic to its end within this long (then exit with the reason), so the "
+              "newest announced version is known, and loaded, before the first batch.")
     follow_weights: bool = opt(True, "Hot-swap to newer announced weights between batches.")
     apply_chat_template: bool = opt(False, "Wrap prompt text with the tokenizer's chat template when it has one.")
     max_poll_interval_ms: int = opt(600_000, "Consumer max.poll.interval: longer than one generation batch.")
     session_timeout_ms: int = opt(
         15_000, "Consumer session timeout: how soon the group notices a dead producer and re-assigns its prompts.")
     max_batches: int = opt(0, "Stop after this many batches (0: run until stopped).")
+    max_failed_batches: int = opt(
+        3, "Exit (to be restarted) when this many batches in a row fail to generate: a broken engine. Each failed "
+           "batch before that is retried once, then its prompts are dead-lettered (one bad prompt fails one batch).")
     idle_timeout_s: float = opt(0.0, "Exit when no prompt arrives for this long (0: wait forever).")
 
     def validate(self) -> None:
@@ -52,6 +58,8 @@ class ProducerConfig:
         require(self.sampling.max_tokens is None or self.sampling.max_tokens <= limit,
                 f"sampling.max_tokens: {self.sampling.max_tokens} exceeds pipeline.max_new_tokens={limit}")
         require(self.backpressure_poll_s > 0, "backpressure_poll_s: must be > 0")
+        require(self.weights_catchup_s > 0, "weights_catchup_s: must be > 0")
+        require(self.max_failed_batches >= 1, "max_failed_batches: must be >= 1")
 
     @property
     def version_lag(self) -> int:

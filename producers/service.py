@@ -26,11 +26,13 @@ from grpo_core.kafka_io import (
     DeadLetters,
     Partition,
     Record,
+    assigned_lag,
     commit_processed,
     make_admin,
     make_consumer,
     make_producer,
 )
+from grpo_core.metrics import Liveness
 from grpo_core.process import reuse_freed_memory, serve
 from grpo_core.retry import retry
 from grpo_core.weights import WeightFetcher, WeightFetchError
@@ -63,7 +65,8 @@ class Producer:
         self.sampling = cfg.sampling_params()
         self.sender = make_producer(cfg.kafka, "producer")
         self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "producer",
-                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc(),
+                                max_record_bytes=cfg.pipeline.record_limit("dlq", cfg.kafka))
         self.prompts = make_consumer(cfg.kafka, "producer", cfg.pipeline.group("producers"),
                                      [cfg.pipeline.topic("prompts")], max_poll_interval_ms=cfg.max_poll_interval_ms,
                                      session_timeout_ms=cfg.session_timeout_ms,
@@ -76,9 +79,11 @@ class Producer:
         self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None),
                                         cfg.pipeline.topic("weights"), cfg.pipeline.run, fetcher, cfg.initial_version,
                                         contract=cfg.pipeline.digest())
+        self.weights.catch_up(cfg.weights_catchup_s)  # the first batch then waits for (and swaps to) the newest
         self.metrics.version.set(cfg.initial_version)
         self.stopping = False
-        self.batches = 0
+        self.batches, self.failed_batches = 0, 0
+        self.liveness, self._lag_at = Liveness(cfg.metrics.stall_s), 0.0
         self.last_prompt_at = time.monotonic()
 
     # ---- the loop ----------------------------------------------------------------------------------
@@ -88,6 +93,7 @@ class Producer:
             if self.stopping:
                 break
             jobs, next_offsets = self.take_prompts()
+            self._watch_lag()
             if not next_offsets:
                 if not self.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
                     self.last_prompt_at = time.monotonic()
@@ -101,6 +107,12 @@ class Producer:
             commit_processed(self.prompts, next_offsets)
             self.batches += 1
         return self.batches
+
+    def _watch_lag(self) -> None:
+        """Work is waiting while the prompts this producer holds have records it has not read (every few s)."""
+        if time.monotonic() - self._lag_at >= 5.0:
+            self._lag_at = time.monotonic()
+            self.liveness.waiting = assigned_lag(self.prompts) > 0
 
     def wait_until_allowed(self) -> Swap | None:
         """Block while backpressure says so; swap weights whenever newer ones are announced."""
@@ -120,6 +132,7 @@ class Producer:
             reason = pause_reason(knobs, backlog, self.weights.version, self.weights.newest_version)
             if not reason:
                 return swap
+            self.liveness.progressed()  # held back on purpose: waiting for the learner is not a stall
             log.info("paused (%s): backlog %s, version %d, newest %d", reason, backlog, self.weights.version,
                      self.weights.newest_version)
             time.sleep(self.cfg.backpressure_poll_s)
@@ -181,9 +194,16 @@ class Producer:
         samples = self._generate([j.prompt_ids for j in jobs])
         gen_s = time.perf_counter() - t0
         if samples is None:
+            self.failed_batches += 1
+            if self.failed_batches >= self.cfg.max_failed_batches:
+                # Batch after batch of different prompts fails: the engine is broken, not the prompts. Exit
+                # without dead-lettering (or committing) this batch, so a restarted or another producer takes it.
+                raise RuntimeError(f"generation failed for {self.failed_batches} batches in a row: the engine "
+                                   f"looks broken; exiting so that the process is restarted (max_failed_batches)")
             for job in jobs:
                 self.dead.send(job.msg, f"generation_error: prompt {job.task.prompt_id}")
             return
+        self.failed_batches = 0
         futures = []
         attempt = uuid.uuid4().hex[:12]
         for job, group in zip(jobs, samples, strict=True):
@@ -203,6 +223,7 @@ class Producer:
         self.metrics.tokens_per_s.set(tokens / max(gen_s, 1e-9))
         self.metrics.completions_per_s.set(len(futures) / max(gen_s, 1e-9))
         log.info("v%d: %d groups, %d tokens in %.2fs", version, len(jobs), tokens, gen_s)
+        self.liveness.progressed()
 
     def _generate(self, prompts: list[list[int]]) -> list[list[Sample]] | None:
         """One retry for a failed batch (a transient engine hiccup); then the caller dead-letters it."""
@@ -253,8 +274,10 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
         log.info("producer %s stopped after %d batches", producer.id, producer.run())
 
     def health() -> tuple[bool, dict[str, object]]:
-        refused = producer.weights.refused
-        return not producer.stopping and not refused, {"version": producer.weights.version, "refused": refused}
+        refused, (live, detail) = producer.weights.refused, producer.liveness.check()
+        ok = not producer.stopping and not refused and live and not producer.failed_batches
+        return ok, {"version": producer.weights.version, "refused": refused,
+                    "failed_batches": producer.failed_batches, **detail}
 
     return serve(producer.metrics.registry, cfg.metrics, health, run, producer.stop,
                  producer.close, "finishing the current batch")

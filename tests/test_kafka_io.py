@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -185,6 +186,7 @@ def test_garbage_and_wrong_schema_go_to_dlq_and_consumer_goes_on(kafka_cfg: Kafk
     assert "not msgpack" in letters[0].reason
     assert "schema version 2" in letters[1].reason
     assert all(d.service == "test-service" and d.key == b"k" for d in letters)
+    assert all(not d.truncated and d.raw_size == len(d.raw) for d in letters)
     tp = TopicPartition(topic, 0)
     assert consumer.committed(tp) == 4
     for c in (consumer, reader):
@@ -258,3 +260,28 @@ def test_a_lone_member_joins_once_and_then_consumes(kafka_cfg: KafkaConfig, new_
             assert len(_poll_until(consumer, 8, timeout_s=30)) == 8
         finally:
             consumer.close()
+
+
+def test_a_record_too_large_for_the_dlq_still_gets_a_dead_letter(kafka_cfg: KafkaConfig, new_topic: Callable) -> None:
+    """A near-limit record (here 3 MiB) cannot be copied into a dlq that takes 1 MiB: the dead letter keeps a
+    prefix, the size and the sha256, and it is keyed by the source coordinates (a replay repeats the key)."""
+    topic = new_topic("prompts", configs={"max.message.bytes": str(4 << 20)})
+    dlq_topic = new_topic("dlq", configs={"max.message.bytes": str(1 << 20)})
+    big = bytes(range(256)) * (3 << 12)  # 3 MiB
+    producer = make_producer(kafka_cfg, "test")
+    producer.send(topic, key=b"big", value=big).get(timeout=30)
+    source = make_consumer(kafka_cfg, "test", None, [topic])
+    (msg,) = _poll_until(source, 1)
+    source.close()
+    dead = DeadLetters(producer, dlq_topic, "test", max_record_bytes=1 << 20)
+    dead.send(msg, "decode: not msgpack")
+    dead.send(msg, "decode: not msgpack")  # the same record again, as after a restart before a checkpoint
+    reader = make_consumer(kafka_cfg, "test", None, [dlq_topic])
+    got = _poll_until(reader, 2)
+    reader.close()
+    producer.close()
+    letters = [wire.decode(m.value, wire.DeadLetter) for m in got]
+    assert {m.key for m in got} == {f"{topic}/0/0".encode()}  # one bad record, recognisable as one
+    for d in letters:
+        assert d.truncated and d.raw_size == len(big) and d.raw_sha256 == hashlib.sha256(big).hexdigest()
+        assert 0 < len(d.raw) < 1 << 20 and big.startswith(d.raw)

@@ -70,3 +70,21 @@ def test_metrics_port_is_validated(port: int) -> None:
 
     with pytest.raises(ConfigError, match="metrics.port"):
         MetricsConfig(port=port).validate()
+
+
+def test_liveness_is_progress_not_presence() -> None:
+    from grpo_core.metrics import Liveness
+
+    now = [0.0]
+    live = Liveness(stall_s=60.0, clock=lambda: now[0])
+    now[0] = 500.0
+    assert live.check()[0]  # idle, but nothing waits: healthy
+    live.waiting = True
+    ok, detail = live.check()
+    assert not ok and detail == {"waiting": True, "idle_s": 500.0, "stalled": True}
+    live.progressed()
+    now[0] = 559.0
+    assert live.check()[0]
+    now[0] = 560.0
+    assert not live.check()[0]
+    assert Liveness(stall_s=0.0, clock=lambda: now[0]).check()[0]  # 0: off

@@ -8,6 +8,7 @@ checkout, so nothing can be found through the source tree.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,9 +29,12 @@ pytestmark = pytest.mark.slow
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(venv, a working directory outside the checkout) with our wheel and PyPI's verifiers installed."""
     base = tmp_path_factory.mktemp("wheel")
-    dist = base / "dist"
+    dist, src = base / "dist", base / "src"
+    # Built from a copy: setuptools leaves a build/ directory in the tree it builds.
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "build", "*.egg-info",
+                                                             "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-                    str(REPO)], check=True, cwd=base)
+                    str(src)], check=True, cwd=base)
     (wheel,) = dist.glob("grpo_stream-*.whl")
     theirs = REPO / ".cache" / "wheels" / VERIFIERS_WHEEL
     assert theirs.is_file(), f"{theirs} is missing: run ./ops/setup.sh (it downloads verifiers==0.4.0)"

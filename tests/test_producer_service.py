@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from grpo_core import wire
 from grpo_core.config import KafkaConfig, load_config, to_dict
 from grpo_core.contract import PipelineContract
-from grpo_core.kafka_io import commit_processed, end_offsets, make_consumer, make_producer
+from grpo_core.kafka_io import commit_processed, committed_offsets, end_offsets, make_consumer, make_producer
 from grpo_core.weights import WeightPublisher
 from grpo_producers.config import ProducerConfig
 from grpo_producers.service import Producer
@@ -294,3 +294,49 @@ def test_weights_from_a_learner_with_another_contract_are_refused(model_dir: Pat
     wait_for(lambda: r.producer.batches >= 1, what="a batch")
     assert r.producer.weights.version == 0
     assert {c.policy_version for c in completions(kafka_cfg, plan.topic("completions"))} == {0}
+
+
+def test_a_restarted_producer_generates_with_the_newest_weights_from_its_first_batch(
+        model_dir: Path, kafka_cfg: KafkaConfig, plan: PipelineContract, tmp_path: Path, running: Callable) -> None:
+    """The learner is at v6 when a producer (re)starts: it reads the compacted weights topic to its end and swaps
+    before generating, instead of sending a first batch with its initial weights that the learner would drop."""
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
+    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
+                                cfg.pipeline.run, contract=cfg.pipeline.digest())
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
+    (tmp_path / "w").mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
+    for version in (3, 6):
+        publisher.announce(publisher.publish(version, {"model.safetensors": tmp_path / "w" / "model.safetensors"}))
+    publisher.close()
+    feed(kafka_cfg, plan, 4)
+    r = running(cfg)
+    assert r.producer.weights.newest_version == 6  # known before the first batch
+    wait_for(lambda: r.producer.batches >= 2, what="two batches")
+    assert {c.policy_version for c in completions(kafka_cfg, plan.topic("completions"))} == {6}
+
+
+def test_a_broken_engine_stops_the_producer_instead_of_dead_lettering_everything(
+        model_dir: Path, kafka_cfg: KafkaConfig, plan: PipelineContract, tmp_path: Path) -> None:
+    """Every batch fails: the first ones' prompts are dead-lettered (a bad prompt fails one batch), the health
+    turns unhealthy, and at max_failed_batches the producer exits, leaving that batch's prompts uncommitted."""
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, "max_failed_batches=3")
+    producer = Producer(cfg)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    producer.backend.generate = broken  # type: ignore[method-assign]
+    feed(kafka_cfg, plan, 10)
+    try:
+        with pytest.raises(RuntimeError, match="failed for 3 batches in a row"):
+            producer.run()
+        assert producer.failed_batches == 3
+        done = sum(committed_offsets(producer.admin, plan.group("producers"), plan.topic("prompts")).values())
+    finally:
+        producer.close()
+    # Two failed batches (of up to 2 prompts) were dead-lettered and committed; the third was left for others.
+    assert 2 <= done <= 4
+    letters = [wire.decode(m.value, wire.DeadLetter) for m in _all(kafka_cfg, plan.topic("dlq"), done)]
+    assert len(letters) == done and all(d.reason.startswith("generation_error") for d in letters)

@@ -45,3 +45,23 @@ def test_run_restarts_a_killed_child_and_completes(tmp_path: Path) -> None:
     assert children["producer-0"]["pid"] != killed
     assert (out / "report.png").stat().st_size > 10_000
     assert summary["groups_trained"] == 40 * 16 and summary["weight_versions_published"] == 1 + 40 // 4
+
+
+@pytest.mark.slow
+def test_the_lockstep_setting_trains_continuously(tmp_path: Path) -> None:
+    """On-policy lockstep through the broker (v = 1, staleness 0, producers at most one learner batch ahead): the
+    groups that turn stale as the learner publishes are taken out of the backlog at once, so the producers go
+    on and the learner reaches its steps (before: 1 step, then standing still for minutes)."""
+    model = build_tiny_model(tmp_path / "model")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(REPO / "configs" / "demo.yaml"), "name=lockstep",
+           f"out_dir={out}", "max_minutes=4", "learner.max_steps=12", f"learner.model.path={model}",
+           f"producers.config.backend.model={model}", f"learner.weights.fs.root={out / 'weights'}",
+           f"producers.config.weights.fs.root={out / 'weights'}", "learner.publish_every=1",
+           "pipeline.max_staleness=0", "producers.config.max_version_lag=0",
+           "producers.config.max_backlog_groups=16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330)
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert summary["learner_steps"] == 12, summary
+    assert summary["mean_staleness"] == 0 and summary["groups_trained"] == 12 * 16

@@ -225,3 +225,30 @@ def test_completions_of_another_group_size_are_dead_lettered(kafka_cfg: KafkaCon
     consumer.close()
     assert letters and letters[0].reason == (f"group_size_mismatch: completion of g9@e0r0 says G={G + 2}, "
                                              f"the pipeline contract G={G}")
+
+
+def test_a_group_too_large_for_its_topic_is_dead_lettered(kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
+                                                          unique: Callable, running: Callable) -> None:
+    """G members of 1.5 MB each make a ScoredGroup the groups topic (4 MiB here) would refuse: the group goes to
+    the dlq with the reason, the verifier goes on with the next group."""
+    plan = PipelineContract(run=unique("big"))
+    plan.topics.groups.max_message_bytes = 4 << 20
+    ensure_topics(admin, plan)
+    producer = make_producer(kafka_cfg, "test")
+    for i in range(G):
+        big = dataclasses.replace(completion("g1@e0r0", i, "1", True), prompt="x" * 1_500_000)
+        producer.send(plan.topic("completions"), key=b"g1@e0r0", value=wire.encode(big))
+    producer.flush()
+    producer.close()
+    send_groups(kafka_cfg, plan.topic("completions"), ["g2@e0r0"], dup_share=0.0, seed=5)
+    v = running(_verifier_cfg(kafka_cfg, plan))
+    assert [g.group_id for g in read_groups(kafka_cfg, plan.topic("groups"), 1)] == ["g2@e0r0"]
+    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
+    letters: list[wire.DeadLetter] = []
+    deadline = time.monotonic() + 30
+    while not letters and time.monotonic() < deadline:
+        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
+                    for m in msgs]
+    consumer.close()
+    assert letters and letters[0].reason.startswith("group_too_large: g1@e0r0 encodes to ")
+    assert not v.stopping

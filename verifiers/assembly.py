@@ -38,6 +38,7 @@ class Pending:
     first_offset: int
     first_seen: float
     attempts: dict[str, dict[int, Member]] = field(default_factory=dict)
+    complete: bool = False  # handed out whole; pending only until it is published (the offset rule)
 
     def best(self) -> dict[int, Member]:
         """The attempt with the most members (the earliest on ties)."""
@@ -81,6 +82,7 @@ class GroupAssembler:
         members[c.index] = Member(c, offset, msg)
         if len(members) < group.group_size:
             return None
+        group.complete = True
         return Ready(c.group_id, partition, [members[i] for i in sorted(members)])
 
     def skip(self, partition: int, offset: int) -> None:
@@ -88,8 +90,10 @@ class GroupAssembler:
         self.read_up_to[partition] = max(self.read_up_to.get(partition, 0), offset + 1)
 
     def expired(self, timeout_s: float, now: float | None = None) -> list[Pending]:
+        """Incomplete groups older than ``timeout_s``. A group completed late is not one of them: it was handed
+        out whole and must not be resolved a second time, as partial."""
         now = time.monotonic() if now is None else now
-        return [g for g in self.pending.values() if now - g.first_seen >= timeout_s]
+        return [g for g in self.pending.values() if not g.complete and now - g.first_seen >= timeout_s]
 
     def done(self, partition: int, group_id: str) -> None:
         """The group was published (acked) or dead-lettered: forget it, remember its id for dedup."""

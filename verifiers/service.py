@@ -16,6 +16,7 @@ import time
 from grpo_core import wire
 from grpo_core.config import load_config
 from grpo_core.kafka_io import (
+    DEAD_LETTER_OVERHEAD_BYTES,
     DeadLetters,
     Partition,
     RebalanceListener,
@@ -24,6 +25,7 @@ from grpo_core.kafka_io import (
     make_consumer,
     make_producer,
 )
+from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.stats import group_stats
 from grpo_verifiers.assembly import GroupAssembler, Ready
@@ -66,13 +68,17 @@ class Verifier:
         self.pool = RewardPool(cfg.rewards)
         self.sender = make_producer(cfg.kafka, "verifier")
         self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "verifier",
-                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc())
+                                on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc(),
+                                max_record_bytes=cfg.pipeline.record_limit("dlq", cfg.kafka))
+        # Record batch headers and the key ride on top of the encoded group.
+        self.group_limit = cfg.pipeline.record_limit("groups", cfg.kafka) - DEAD_LETTER_OVERHEAD_BYTES
         self.assembler = GroupAssembler()
         self.consumer = make_consumer(cfg.kafka, "verifier", cfg.pipeline.group("verifiers"),
                                       [cfg.pipeline.topic("completions")], listener=_Rebalance(self),
                                       session_timeout_ms=cfg.session_timeout_ms,
                                       heartbeat_interval_ms=max(1000, cfg.session_timeout_ms // 5))
         self.stopping = False
+        self.liveness = Liveness(cfg.metrics.stall_s)
         self.last_completion_at = time.monotonic()
         self._restarts_seen = 0
         self._lag_at = 0.0
@@ -86,6 +92,8 @@ class Verifier:
                 self._score_and_publish(ready)
             self.commit()
             self.metrics.pending.set(len(self.assembler.pending))
+            if polled:
+                self.liveness.progressed()
             if polled or not self.consumer.assignment():  # idle counts only while we hold partitions
                 self.last_completion_at = time.monotonic()
             elif self.cfg.idle_timeout_s and time.monotonic() - self.last_completion_at > self.cfg.idle_timeout_s:
@@ -138,8 +146,14 @@ class Verifier:
             record = self._scored_group(r, scored)
             if record is None:
                 continue
+            value = wire.encode(record)
+            if len(value) > self.group_limit:  # the broker would refuse it: dead-letter the group, never crash
+                self.dead.send(r.members[0].msg, f"group_too_large: {r.group_id} encodes to {len(value)} bytes, "
+                                                 f"more than the groups topic takes ({self.group_limit})")
+                self.assembler.done(r.partition, r.group_id)
+                continue
             futures.append((r, self.sender.send(self.cfg.pipeline.topic("groups"), key=r.group_id.encode(),
-                                                value=wire.encode(record))))
+                                                value=value)))
             self._observe(record, scored)
         for r, future in futures:
             future.get(timeout=120)  # acked before the group counts as done (and its offsets may be committed)
@@ -194,7 +208,9 @@ class Verifier:
         if time.monotonic() - self._lag_at < 2.0:  # an extra round trip: not on every poll
             return
         self._lag_at = time.monotonic()
-        self.metrics.lag.set(assigned_lag(self.consumer))
+        lag = assigned_lag(self.consumer)
+        self.metrics.lag.set(lag)
+        self.liveness.waiting = lag > 0
 
     def stop(self) -> None:
         self.stopping = True
@@ -210,6 +226,9 @@ class Verifier:
 def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
     cfg = load_config(VerifierConfig, config, overrides, pipeline_file=pipeline)
     verifier = Verifier(cfg)
-    return serve(verifier.metrics.registry, cfg.metrics,
-                 lambda: (not verifier.stopping, {"pending": len(verifier.assembler.pending)}), verifier.run,
+    def health() -> tuple[bool, dict[str, object]]:
+        live, detail = verifier.liveness.check()
+        return not verifier.stopping and live, {"pending": len(verifier.assembler.pending), **detail}
+
+    return serve(verifier.metrics.registry, cfg.metrics, health, verifier.run,
                  verifier.stop, verifier.close, "publishing what is complete, then stopping")

@@ -27,7 +27,7 @@ from grpo_core import wire
 from grpo_core.config import KafkaConfig
 from grpo_core.kafka_io import BrokerError, Producer, make_producer
 from grpo_core.retry import retry
-from grpo_core.weights.announcements import announce, latest_announcement
+from grpo_core.weights.announcements import announce, latest_announcement, read_announcements
 from grpo_core.weights.common import (
     MODEL_FILE,
     NAME_RE,
@@ -44,7 +44,7 @@ from grpo_core.weights.stream import ChunkStream
 
 __all__ = ["MODEL_FILE", "STORES", "ChunkStream", "FsStoreConfig", "KafkaStoreConfig", "WeightFetchError",
            "WeightFetcher", "WeightPublisher", "WeightStore", "WeightStoreConfig", "announce", "check_run_name",
-           "latest_announcement", "sha256_file", "version_dir_name"]
+           "latest_announcement", "read_announcements", "sha256_file", "version_dir_name"]
 
 log = logging.getLogger("grpo_core.weights")
 

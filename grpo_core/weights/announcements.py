@@ -26,13 +26,20 @@ def announce(producer: Any, topic: str, ann: wire.WeightsAnnouncement) -> None:
 
 def latest_announcement(kafka: KafkaConfig, topic: str, run: str,
                         timeout_s: float = 30.0) -> wire.WeightsAnnouncement | None:
-    """The current announcement for ``run``: read the compacted weights topic from the beginning to the end
-    offsets taken at the start and return the *last valid record written* for the run (None if there is none,
-    or if the last word is a tombstone). In normal operation that is the highest version; after a learner
-    rewound to a checkpoint and re-published, it is the re-published one -- the same answer compaction will
-    eventually leave, so a new producer's view does not depend on when the log cleaner last ran. Undecodable or
-    mis-keyed records are skipped with a warning. Raises WeightFetchError if the topic is missing or the end is
-    not reached within ``timeout_s``."""
+    """The current announcement for ``run`` (see :func:`read_announcements`)."""
+    return read_announcements(kafka, topic, run, timeout_s)[0]
+
+
+def read_announcements(kafka: KafkaConfig, topic: str, run: str,
+                       timeout_s: float = 30.0) -> tuple[wire.WeightsAnnouncement | None, int]:
+    """``(current announcement, highest version announced)`` for ``run``: read the compacted weights topic from
+    the beginning to the end offsets taken at the start. The current one is the *last valid record written* for
+    the run (None if there is none, or if the last word is a tombstone). In normal operation that is the highest
+    version; after a learner rewound to a checkpoint and re-published, it is the re-published one -- the same
+    answer compaction will eventually leave, so a new producer's view does not depend on when the log cleaner last
+    ran. The highest version (-1 if none) is what is still retained. Undecodable or mis-keyed records are skipped
+    with a warning. Raises WeightFetchError if the topic is missing or the end is not reached within
+    ``timeout_s``."""
     consumer = make_consumer(kafka, "weights-catchup", None)
     try:
         parts = consumer.partitions_for_topic(topic)
@@ -42,7 +49,7 @@ def latest_announcement(kafka: KafkaConfig, topic: str, run: str,
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
-        key, latest = run.encode(), None
+        key, latest, highest = run.encode(), None, -1
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             if time.monotonic() > deadline:
@@ -51,7 +58,8 @@ def latest_announcement(kafka: KafkaConfig, topic: str, run: str,
                 for msg in msgs:
                     if msg.key == key and msg.offset < ends[Partition(msg.topic, msg.partition)]:
                         latest = _apply_announcement(msg, run, latest)
-        return latest
+                        highest = max(highest, latest.version if latest is not None else -1)
+        return latest, highest
     finally:
         consumer.close()
 

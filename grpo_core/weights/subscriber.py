@@ -45,6 +45,21 @@ class WeightSubscriber:
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)  # compacted: the latest announcement per run is always retained
 
+    def catch_up(self, timeout_s: float) -> None:
+        """Read the topic up to the end offsets of now, so :attr:`newest` is the run's current announcement before
+        anything is generated (a restarted producer must not sample with its initial weights while the learner is
+        far ahead). Raises WeightFetchError when the end is not reached within ``timeout_s``."""
+        tps = list(self.consumer.assignment())
+        ends = with_retry(lambda: self.consumer.end_offsets(tps), f"producer: end offsets of {self.topic}")
+        deadline = time.monotonic() + timeout_s
+        while any(self.consumer.position(tp) < end for tp, end in ends.items()):
+            if time.monotonic() > deadline:
+                raise WeightFetchError(f"weights topic {self.topic!r}: its end was not reached within "
+                                       f"{timeout_s:.0f}s (is the broker reachable? weights_catchup_s)")
+            self.poll(timeout_ms=200)
+        log.info("weights: caught up on %s; newest announced v%d (ours v%d)", self.topic, self.newest_version,
+                 self.version)
+
     @property
     def newest_version(self) -> int:
         return self.newest.version if self.newest is not None else self.version

@@ -1,0 +1,110 @@
+"""A broker restart is a pause, not a crash: producers and verifiers keep running through it, rejoin their groups
+and continue from committed offsets, and every prompt fed before, during and after the outage is scored."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_core import wire
+from grpo_core.config import KafkaConfig, load_config, to_dict
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import make_admin, make_consumer, make_producer
+from grpo_core.topics import ensure_topics
+from grpo_producers.config import ProducerConfig
+from grpo_producers.service import Producer
+from grpo_stream.broker import LocalBroker, free_port
+from grpo_stream.tiny_model import build_tiny_model
+from grpo_verifiers.config import VerifierConfig
+from grpo_verifiers.service import Verifier
+
+G = 2
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[LocalBroker]:
+    """A broker of this test's own: it is stopped and started again mid-test."""
+    b = LocalBroker(data_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port())
+    b.up(fresh=True)
+    try:
+        yield b
+    finally:
+        b.down()
+
+
+def feed(kafka: KafkaConfig, plan: PipelineContract, ids: range) -> None:
+    producer = make_producer(kafka, "test")
+    for i in ids:
+        task = wire.PromptTask(prompt_id=f"q{i}", prompt=f"max({i % 10},{(i * 7) % 10})=", task="exact",
+                               metadata={"answer": str(max(i % 10, (i * 7) % 10))})
+        producer.send(plan.topic("prompts"), key=task.prompt_id.encode(), value=wire.encode(task))
+    producer.flush()
+    producer.close()
+
+
+def scored(kafka: KafkaConfig, plan: PipelineContract, want: int, timeout_s: float) -> set[str]:
+    consumer = make_consumer(kafka, "test", None, [plan.topic("groups")])
+    ids: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(ids) < want and time.monotonic() < deadline:
+        for msgs in consumer.poll(timeout_ms=500).values():
+            ids |= {wire.decode(m.value, wire.ScoredGroup).prompt_id for m in msgs}
+    consumer.close()
+    return ids
+
+
+class Service:
+    """A service's run loop on a thread, remembering whatever ended it."""
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(run,), daemon=True)
+        self.thread.start()
+
+    def _main(self, run: Callable[[], object]) -> None:
+        try:
+            run()
+        except BaseException as exc:  # the test reports it: a service must not die of an outage
+            self.error = exc
+
+
+def test_producer_and_verifier_survive_a_broker_restart(broker: LocalBroker, tmp_path: Path) -> None:
+    kafka = KafkaConfig(bootstrap=broker.bootstrap)
+    plan = PipelineContract(run="outage", group_size=G, max_new_tokens=4)
+    admin = make_admin(kafka)
+    ensure_topics(admin, plan)
+    admin.close()
+    model = build_tiny_model(tmp_path / "model")
+    common = {"kafka": to_dict(kafka), "pipeline": to_dict(plan), "metrics": {"port": -1}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({**common, "backend": {"kind": "hf", "model": str(model)},
+                                                     "prompts_per_batch": 2, "backpressure_poll_s": 0.2,
+                                                     "weights": {"fs": {"root": str(tmp_path / "w")}}}))
+    (tmp_path / "v.yaml").write_text(yaml.safe_dump({**common, "rewards": {"workers": 1}}))
+    producer = Producer(load_config(ProducerConfig, tmp_path / "p.yaml"))
+    verifier = Verifier(load_config(VerifierConfig, tmp_path / "v.yaml"))
+    services = [Service(producer.run), Service(verifier.run)]
+    try:
+        feed(kafka, plan, range(0, 10))
+        assert len(scored(kafka, plan, 10, 120)) == 10
+        feed(kafka, plan, range(10, 20))  # in flight when the broker goes away
+        broker.down()
+        time.sleep(8)  # long enough for every client to notice: commits, fetches and sends fail meanwhile
+        broker.up()
+        feed(kafka, plan, range(20, 30))
+        got = scored(kafka, plan, 30, 240)
+        assert [s.error for s in services] == [None, None], "a service died of the outage"
+        assert all(s.thread.is_alive() for s in services)
+        assert got == {f"q{i}" for i in range(30)}, f"lost: {sorted({f'q{i}' for i in range(30)} - got)}"
+    finally:
+        producer.stop()
+        verifier.stop()
+        for s in services:
+            s.thread.join(timeout=60)
+        producer.close()
+        verifier.close()

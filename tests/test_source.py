@@ -1,0 +1,82 @@
+"""The learner's source of groups on a real broker: what its consumer group shows while it waits, and the tail of a
+finite feed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from kafka import KafkaAdminClient
+from test_learner_service import G, synthetic_group
+
+from grpo_core import wire
+from grpo_core.config import KafkaConfig
+from grpo_core.kafka_io import DeadLetters, consumer_lag, make_consumer, make_producer
+from grpo_learner.source import GroupSource, SourceRules
+
+
+@pytest.fixture
+def source(kafka_cfg: KafkaConfig, new_topic: Callable[..., str],
+           unique: Callable[[str], str]) -> Iterator[Callable[[list[wire.ScoredGroup], int], GroupSource]]:
+    made: list[GroupSource] = []
+    producer = make_producer(kafka_cfg, "test")
+
+    def make(groups: list[wire.ScoredGroup], max_staleness: int) -> GroupSource:
+        topic = new_topic("groups")
+        for g in groups:
+            producer.send(topic, key=g.group_id.encode(), value=wire.encode(g))
+        producer.flush()
+        src = GroupSource(make_consumer(kafka_cfg, "learner", unique("learner")), topic,
+                          DeadLetters(producer, new_topic("dlq"), "test"),
+                          SourceRules(G, True, max_staleness, 0, False), 10_000)
+        src.start(None, "earliest")
+        made.append(src)
+        return src
+
+    yield make
+    for src in made:
+        src.consumer.close()
+    producer.close()
+
+
+def _stop_after(polls: int) -> Callable[[], bool]:
+    left = [polls]
+
+    def should_stop() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    return should_stop
+
+
+def test_stale_groups_leave_the_backlog_while_the_learner_waits(source: Callable, admin: KafkaAdminClient) -> None:
+    """Lockstep (max_staleness 0): at step 1 the v0 groups can never be trained. While the learner waits for a
+    batch, its consumer group already commits past them, so the producers' backlog (its lag) no longer counts
+    them and they generate the fresh groups the learner waits for."""
+    rng = np.random.default_rng(0)
+    src = source([synthetic_group(f"s{i}@e0r0", 0, rng) for i in range(5)], 0)
+    group = src.consumer.config["group_id"]
+    assert src.next_batch(1, 4, _stop_after(6), 200) is None  # nothing trainable: still waiting
+    assert sum(consumer_lag(admin, group, src.topic).values()) == 0
+    assert src.position == {0: 0}  # accounted for (lineage, checkpoint) only when a step takes them
+
+
+def test_only_a_droppable_head_is_committed_past(source: Callable, admin: KafkaAdminClient) -> None:
+    rng = np.random.default_rng(1)
+    groups = [synthetic_group("a@e0r0", 0, rng), synthetic_group("b@e0r0", 1, rng), synthetic_group("c@e0r0", 0, rng)]
+    src = source(groups, 0)
+    assert src.next_batch(1, 4, _stop_after(6), 200) is None
+    # a (stale) is behind us; b (fresh) still waits to be trained, and so does everything after it.
+    assert consumer_lag(admin, src.consumer.config["group_id"], src.topic) == {0: 2}
+
+
+def test_the_tail_of_a_finite_feed_is_flushed(source: Callable) -> None:
+    rng = np.random.default_rng(2)
+    src = source([synthetic_group(f"t{i}@e0r0", 0, rng) for i in range(3)], 4)
+    t0 = time.monotonic()
+    pick = src.next_batch(0, 8, _stop_after(200), 100, flush_after_s=1.0)
+    assert pick is not None and [i.group.group_id for i in pick.trained] == ["t0@e0r0", "t1@e0r0", "t2@e0r0"]
+    assert time.monotonic() - t0 >= 1.0 and pick.next_offsets == {0: 3}
+    assert src.next_batch(0, 8, _stop_after(5), 100, flush_after_s=0.0) is None  # off: it waits for 8

@@ -30,6 +30,12 @@ def _kafka(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kafka_tool(args: argparse.Namespace) -> int:
+    from grpo_stream.kafka_tools import run_tool
+
+    return run_tool(args.name, list(args.args), args.jars)
+
+
 def _topics(args: argparse.Namespace) -> int:
     from grpo_core.config import load_config
     from grpo_core.kafka_io import make_admin
@@ -130,6 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--fresh", action="store_true", help="wipe the data dir before starting")
     k.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for start/stop")
     k.set_defaults(fn=_kafka)
+
+    kt = sub.add_parser("kafka-tool", help="Kafka's operator tools: consumer-groups, topics, console-consumer, "
+                                           "get-offsets (arguments as for Kafka's bin/kafka-*.sh)")
+    kt.add_argument("--jars", default=None, help="the Kafka jars (default $GRPO_STREAM_KAFKA_LIBS, .cache/kafka/libs)")
+    kt.add_argument("name", choices=["consumer-groups", "topics", "console-consumer", "get-offsets"])
+    kt.add_argument("args", nargs=argparse.REMAINDER,
+                    help="the tool's arguments; --bootstrap-server defaults to $KAFKA_BOOTSTRAP, else 127.0.0.1:9092")
+    kt.set_defaults(fn=_kafka_tool)
 
     t = sub.add_parser("topics", help="create the declared topic plan (idempotent)")
     t.add_argument("action", choices=["create"])

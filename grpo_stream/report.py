@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_learner.lineage import read_lines
+from grpo_core.jsonl import read_lines
 
 
 def write_report(run_dir: str | Path) -> Path:

@@ -256,23 +256,25 @@ def write_configs(cfg: RunConfig, resolved: dict[str, dict[str, Any]]) -> dict[s
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The learner's metrics.jsonl so far (a line being written right now is skipped)."""
-    from grpo_learner.lineage import read_lines
+    from grpo_core.jsonl import read_lines
 
     return list(read_lines(path))
 
 
 def summarize(cfg: RunConfig, wall_s: float, supervisor: Supervisor, extra: dict[str, Any]) -> dict[str, Any]:
     """summary.json: what the run did, from the learner's own records."""
-    from grpo_learner.lineage import read_lines
+    from grpo_core.jsonl import read_lines
 
     lineage = list(read_lines(cfg.out / "lineage.jsonl"))
     trained = [e for line in lineage for e in line["trained"]]
     dropped = [e for line in lineage for e in line["dropped"]]
+    skipped = sum(r["to"] - r["from"] for line in lineage for r in line.get("operator_skip", []))
     staleness = [e["staleness"] for e in trained]
     metrics = read_metrics(cfg.out / "metrics.jsonl")
     initial = 1 if cfg.learner.get("publish_initial", True) else 0
     summary = {
         "run_dir": str(cfg.out), "learner_steps": lineage[-1]["step"] if lineage else 0,
+        "offsets_operator_skipped": skipped,
         "wall_seconds": round(wall_s, 1), "groups_trained": len(trained),
         "groups_dropped_stale": sum(e["reason"] == "stale" for e in dropped),
         "groups_dropped_other": sum(e["reason"] != "stale" for e in dropped),

@@ -59,6 +59,11 @@ class LearnerConfig:
     advantages: AdvantageConfig = opt(factory=AdvantageConfig, help="Rewards -> advantages (eq. 2, 8).")
     optim: OptimConfig = opt(factory=OptimConfig, help="Optimizer.")
     weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where published weights go.")
+    skip_to: dict[str, int] = opt(
+        factory=dict, help="Operator skip at start-up: {partition: offset} to resume the groups topic from, past "
+                           "records the learner must not train. Recorded in the lineage (operator_skip) and "
+                           "checkpointed; targets behind the checkpoint do nothing. A reset of the consumer group "
+                           "does not move the learner: the checkpoint wins.")
     start_from: Literal["earliest", "latest"] = opt(
         "earliest", "Where a run without a checkpoint starts reading the groups topic.")
     accept_partial: bool = opt(True, "Train groups a verifier published as partial (fewer than G members).")
@@ -85,6 +90,8 @@ class LearnerConfig:
     def validate(self) -> None:
         require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
         require(self.flush_after_s >= 0, "flush_after_s: must be >= 0 (0: off)")
+        require(all(p.isdigit() and o >= 0 for p, o in self.skip_to.items()),
+                f"skip_to: expected {{partition: offset}} with non-negative numbers, got {self.skip_to}")
         require(self.grad_steps_per_batch >= 1, "grad_steps_per_batch: must be >= 1 (the paper's i)")
         require(self.publish_every >= 1, "publish_every: must be >= 1 (the paper's v)")
         require(self.micro_batch_tokens >= 64, "micro_batch_tokens: must be >= 64")

@@ -1,5 +1,7 @@
 """The lineage: one JSON line per learner step with the groups it trained (id, version, staleness, partition,
-offset) and the groups it dropped (with the reason). It is how users and tests prove exactly-once training.
+offset) and the groups it dropped (with the reason). It is how users and tests prove exactly-once training:
+every offset of the groups topic is trained, dropped with a reason, or inside an ``operator_skip`` range (an
+operator's deliberate ``skip_to``, recorded on a line of its own with empty trained/dropped lists).
 
 Lines are flushed at every step (a ``kill -9`` cannot lose flushed lines: they are in the page cache) and
 fsynced at checkpoints. After a restart from the checkpoint of step ``s``, lines of steps > ``s`` describe
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from grpo_core.jsonl import read_lines
+
+__all__ = ["Lineage", "read_lines"]
 
 
 class Lineage:
@@ -27,6 +32,10 @@ class Lineage:
         line = {"step": step, "trained": trained, "dropped": dropped, **extra}
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._file.flush()
+
+    def skips(self) -> list[dict[str, int]]:
+        """Every ``operator_skip`` range recorded (a skip repeated after a crash is recorded once)."""
+        return [r for line in read_lines(self.path) for r in line.get("operator_skip", [])]
 
     def sync(self) -> None:
         self._file.flush()
@@ -49,15 +58,3 @@ class Lineage:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_lines(path: Path) -> Iterator[dict[str, Any]]:
-    """Parsed lineage lines; a torn last line (killed mid-write) is skipped."""
-    if not path.exists():
-        return
-    with path.open(encoding="utf-8") as f:
-        for raw in f:
-            try:
-                yield json.loads(raw)
-            except json.JSONDecodeError:
-                continue

@@ -98,12 +98,27 @@ class Learner:
         if dropped:
             log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
         self.source.start(offsets, self.cfg.start_from)
+        self._operator_skip()
         latest, highest = read_announcements(self.cfg.kafka, self.cfg.pipeline.topic("weights"),
                                              self.cfg.pipeline.run)
         self.source.newest_announced = highest
         if self.cfg.publish_initial and announcement_is_behind(latest, self.step, self.cfg.publish_every,
                                                                self.cfg.pipeline.digest()):
             self.publish()
+
+    def _operator_skip(self) -> None:
+        """Apply ``skip_to``: record the skipped ranges, then checkpoint the new position, so the skip is durable
+        and audited before anything is trained past it (after a crash in between, the same skip is applied again
+        and recorded once). A target at or behind the position does nothing: restarting with it is harmless."""
+        targets = {int(p): o for p, o in self.cfg.skip_to.items()}
+        skipped = self.source.skip_to(targets)
+        if not skipped:
+            return
+        new = [r for r in skipped if r not in self.lineage.skips()]
+        if new:
+            self.lineage.record(self.step, [], [], operator_skip=new)
+        log.warning("operator skip at step %d: %s", self.step, skipped)
+        self.save_checkpoint()
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> int:

@@ -91,6 +91,32 @@ class GroupSource:
         for tp in tps:
             self.position[tp.partition] = self.consumer.position(tp)
         log.info("learner reads %s from %s", self.topic, self.position)
+        self._say_which_offsets_win(tps)
+
+    def _say_which_offsets_win(self, tps: list[Partition]) -> None:
+        """THE operator rule, said where it applies: the learner reads from its checkpoint, never from its consumer
+        group's committed offsets (exactly once needs offsets and model state from the same moment), so a reset
+        of the group with Kafka's tools changes nothing here. Skipping records is deliberate: ``skip_to``."""
+        committed = {tp.partition: with_retry(lambda t=tp: self.consumer.committed(t), "learner: committed")
+                     for tp in tps}
+        differ = {p: o for p, o in committed.items() if o is not None and o != self.position[p]}
+        if differ:
+            log.warning("consumer group committed %s, the checkpoint says %s: the checkpoint wins (exactly once); "
+                        "to skip records on purpose, restart with skip_to={partition: offset} (recorded in the "
+                        "lineage as operator_skip)", differ, {p: self.position[p] for p in differ})
+
+    def skip_to(self, targets: dict[int, int]) -> list[dict[str, int]]:
+        """Move forward to ``targets`` (partition -> next offset) where they lie ahead; returns the skipped ranges
+        ``{partition, from, to}`` (``to`` exclusive) for the lineage. Never moves backwards."""
+        skipped = []
+        for partition, offset in sorted(targets.items()):
+            if partition not in self.position:
+                raise ValueError(f"skip_to: {self.topic} has no partition {partition} (it has {sorted(self.position)})")
+            if offset > self.position[partition]:
+                skipped.append({"partition": partition, "from": self.position[partition], "to": offset})
+                self.consumer.seek(Partition(self.topic, partition), offset)
+                self.position[partition] = offset
+        return skipped
 
     def restore_seen(self, ids: list[str]) -> None:
         self.seen = OrderedDict.fromkeys(ids[-self.dedup_window:])

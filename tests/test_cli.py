@@ -72,3 +72,31 @@ def test_bad_override_is_a_clear_error() -> None:
                                            ("verifier", "group_timeout_s = 300.0"), ("feeder", "epochs = 1")])
 def test_config_explain(role: str, key: str) -> None:
     assert key in run("config", "explain", role).stdout
+
+
+def test_kafka_operator_tools_reset_a_consumer_group(kafka_bootstrap: str, new_topic: Callable,
+                                                     unique: Callable) -> None:
+    """Kafka's own consumer-group tool runs from the fetched jars: an operator can see and reset a group."""
+    from grpo_core.config import KafkaConfig
+    from grpo_core.kafka_io import Partition, commit_processed, committed_offsets, make_admin, make_consumer
+
+    kafka = KafkaConfig(bootstrap=kafka_bootstrap)
+    topic, group = new_topic("prompts"), unique("producers")
+    consumer = make_consumer(kafka, "test", group)
+    commit_processed(consumer, {Partition(topic, 0): 5})
+    consumer.close()
+    described = run("kafka-tool", "consumer-groups", "--bootstrap-server", kafka_bootstrap, "--describe",
+                    "--group", group)
+    assert topic in described.stdout
+    run("kafka-tool", "consumer-groups", "--bootstrap-server", kafka_bootstrap, "--reset-offsets", "--group", group,
+        "--topic", topic, "--to-earliest", "--execute")
+    admin = make_admin(kafka)
+    try:
+        assert committed_offsets(admin, group, topic) == {0: 0}
+    finally:
+        admin.close()
+
+
+def test_kafka_tool_without_the_jars_says_run_setup(tmp_path: Path) -> None:
+    proc = run("kafka-tool", "--jars", str(tmp_path), "topics", "--list", check=False)
+    assert proc.returncode == 2 and "Kafka's tools are missing" in proc.stderr and "ops/setup.sh" in proc.stderr

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from kafka import KafkaAdminClient
+from kafka import KafkaAdminClient, TopicPartition
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig, to_dict
 from grpo_core.contract import PipelineContract
-from grpo_core.kafka_io import make_consumer, make_producer
+from grpo_core.kafka_io import commit_processed, make_consumer, make_producer
 from grpo_core.topics import ensure_topics
 from grpo_core.weights import FsStoreConfig, WeightFetcher, WeightStoreConfig
 from grpo_learner import checkpoint
@@ -180,3 +180,50 @@ def _announcements(kafka_cfg: KafkaConfig, topic: str, run: str) -> list[wire.We
             out += [wire.decode(m.value, wire.WeightsAnnouncement) for m in msgs]
     consumer.close()
     return [a for a in out if a.run == run]
+
+
+def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                              admin: KafkaAdminClient, unique: Callable,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint wins over the consumer group; skipping is deliberate: ``skip_to`` moves the learner past
+    records, records the range as operator_skip and checkpoints, so every offset stays accounted for once."""
+    from grpo_core.config import load_config
+    from grpo_learner.config import LearnerConfig
+    from grpo_learner.service import Learner
+
+    plan = PipelineContract(run=unique("skip"), group_size=G, max_staleness=-1)
+    plan.topics.groups.partitions = 1
+    ensure_topics(admin, plan)
+    rng = np.random.default_rng(3)
+    producer = make_producer(kafka_cfg, "test")
+    for i in range(6):
+        g = synthetic_group(f"s{i}@e0r0", version=0, rng=rng)
+        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
+    producer.close()
+    out, model = tmp_path / "run", build_tiny_model(tmp_path / "model")
+    base = [f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={model}", "metrics.port=-1",
+            f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=100",
+            f"pipeline.run={plan.run}", f"pipeline.group_size={G}", "pipeline.max_staleness=-1",
+            "pipeline.topics.groups.partitions=1"]
+
+    def run(*extra: str) -> None:
+        learner = Learner(load_config(LearnerConfig, None, [*base, *extra]))
+        try:
+            learner.restore()
+            learner.run()
+        finally:
+            learner.close()
+
+    run("max_steps=1")  # trains offsets 0, 1
+    run("max_steps=2", "skip_to={0: 4}")  # skips 2, 3; trains 4, 5
+    reset = make_consumer(kafka_cfg, "test", plan.group("learner"))  # an operator resets the group to 0
+    commit_processed(reset, {TopicPartition(plan.topic("groups"), 0): 0})
+    reset.close()
+    with caplog.at_level("WARNING", logger="grpo_learner.source"):
+        run("max_steps=2", "skip_to={0: 4}")  # the same option again: behind the checkpoint, nothing happens
+    assert "consumer group committed {0: 0}, the checkpoint says {0: 6}: the checkpoint wins" in caplog.text
+    lines = list(read_lines(out / "lineage.jsonl"))
+    assert [r for line in lines for r in line.get("operator_skip", [])] == [{"partition": 0, "from": 2, "to": 4}]
+    trained = sorted(e["offset"] for line in lines for e in line["trained"])
+    assert trained == [0, 1, 4, 5]
+    assert checkpoint.load_latest(out / "checkpoints").meta["offsets"] == {"0": 6}

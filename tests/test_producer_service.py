@@ -49,6 +49,22 @@ def _cfg(model_dir: Path, kafka_cfg: KafkaConfig, plan: PipelineContract, tmp_pa
     return load_config(ProducerConfig, path, list(extra))
 
 
+def other_weights(tmp_path: Path) -> dict[str, Path]:
+    """A second tiny model's weights as a learner publishes them (``model.safetensors``, the tied head left out)."""
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
+    (tmp_path / "w").mkdir()
+    path = tmp_path / "w" / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, path,
+              metadata={"format": "pt"})
+    return {"model.safetensors": path}
+
+
+def publisher_for(cfg: ProducerConfig, kafka_cfg: KafkaConfig, contract: str | None = None) -> WeightPublisher:
+    """A learner's publisher for the producer's run (its contract, unless another digest is given)."""
+    return WeightPublisher(cfg.weights, kafka_cfg, cfg.pipeline.topic("weights"), cfg.pipeline.topic("weight_data"),
+                           cfg.pipeline.run, contract=cfg.pipeline.digest() if contract is None else contract)
+
+
 def feed(kafka_cfg: KafkaConfig, plan: PipelineContract, n: int, start: int = 0, extra: list[bytes] = ()) -> list[str]:
     producer = make_producer(kafka_cfg, "test")
     ids = []
@@ -147,22 +163,16 @@ def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: 
                                                                       plan: PipelineContract, tmp_path: Path,
                                                                       running: Callable) -> None:
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
-                                cfg.pipeline.run, contract=cfg.pipeline.digest())
-    other = build_tiny_model(tmp_path / "other", seed=7)
-    model = AutoModelForCausalLM.from_pretrained(other)
-    weights = tmp_path / "w"
-    weights.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              weights / "model.safetensors", metadata={"format": "pt"})
-    bad = publisher.publish(3, {"model.safetensors": weights / "model.safetensors"})
+    publisher = publisher_for(cfg, kafka_cfg)
+    files = other_weights(tmp_path)
+    bad = publisher.publish(3, files)
     (tmp_path / "weights" / bad.location).write_bytes(b"corrupt")
     publisher.announce(bad)
     r = running(cfg)
     feed(kafka_cfg, plan, 4, start=0)
     wait_for(lambda: r.producer.metrics.weight_errors._value.get() >= 1, what="a failed fetch")
     wait_for(lambda: r.producer.batches >= 2, what="batches with the old weights")
-    good = publisher.publish(5, {"model.safetensors": weights / "model.safetensors"})
+    good = publisher.publish(5, files)
     publisher.announce(good)
     wait_for(lambda: r.producer.weights.version == 5, what="the swap")
     feed(kafka_cfg, plan, 4, start=100)
@@ -186,13 +196,9 @@ def test_hot_swap_from_the_kafka_store_uses_the_streamed_copy(model_dir: Path, k
     r = running(cfg)
     feed(kafka_cfg, plan, 2, start=0)
     wait_for(lambda: r.producer.batches >= 1, what="a batch with the initial weights")
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
-    (tmp_path / "w").mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
-                                cfg.pipeline.run, contract=cfg.pipeline.digest())
-    ann = publisher.publish(2, {"model.safetensors": tmp_path / "w" / "model.safetensors"})
+    files = other_weights(tmp_path)
+    publisher = publisher_for(cfg, kafka_cfg)
+    ann = publisher.publish(2, files)
     assert ann.store == "kafka" and ann.num_chunks > 1
     publisher.announce(ann)
     publisher.close()
@@ -279,13 +285,9 @@ def test_weights_from_a_learner_with_another_contract_are_refused(model_dir: Pat
     them, says why naming both digests, and its /health turns unhealthy."""
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
     theirs = dataclasses.replace(cfg.pipeline, group_size=G + 1)
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
-                                cfg.pipeline.run, contract=theirs.digest())
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
-    (tmp_path / "w").mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
-    publisher.announce(publisher.publish(4, {"model.safetensors": tmp_path / "w" / "model.safetensors"}))
+    publisher = publisher_for(cfg, kafka_cfg, contract=theirs.digest())
+    files = other_weights(tmp_path)
+    publisher.announce(publisher.publish(4, files))
     publisher.close()
     r = running(cfg)
     feed(kafka_cfg, plan, 2)
@@ -301,14 +303,10 @@ def test_a_restarted_producer_generates_with_the_newest_weights_from_its_first_b
     """The learner is at v6 when a producer (re)starts: it reads the compacted weights topic to its end and swaps
     before generating, instead of sending a first batch with its initial weights that the learner would drop."""
     cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path)
-    publisher = WeightPublisher(cfg.weights, kafka_cfg, plan.topic("weights"), plan.topic("weight_data"),
-                                cfg.pipeline.run, contract=cfg.pipeline.digest())
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "other", seed=7))
-    (tmp_path / "w").mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
-              tmp_path / "w" / "model.safetensors", metadata={"format": "pt"})
+    publisher = publisher_for(cfg, kafka_cfg)
+    files = other_weights(tmp_path)
     for version in (3, 6):
-        publisher.announce(publisher.publish(version, {"model.safetensors": tmp_path / "w" / "model.safetensors"}))
+        publisher.announce(publisher.publish(version, files))
     publisher.close()
     feed(kafka_cfg, plan, 4)
     r = running(cfg)

@@ -81,6 +81,18 @@ def read_groups(kafka_cfg: KafkaConfig, topic: str, n: int, timeout_s: float = 1
     return out
 
 
+def read_letters(kafka_cfg: KafkaConfig, topic: str, n: int, timeout_s: float = 30) -> list[wire.DeadLetter]:
+    """At least ``n`` dead letters of ``topic`` (fewer if they do not come within ``timeout_s``)."""
+    consumer = make_consumer(kafka_cfg, "test", None, [topic])
+    letters: list[wire.DeadLetter] = []
+    deadline = time.monotonic() + timeout_s
+    while len(letters) < n and time.monotonic() < deadline:
+        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
+                    for m in msgs]
+    consumer.close()
+    return letters
+
+
 @pytest.fixture
 def running() -> Iterator[Callable[[VerifierConfig], Verifier]]:
     started: list[tuple[Verifier, threading.Thread]] = []
@@ -166,13 +178,7 @@ def test_incomplete_groups_partial_or_dlq_and_garbage(kafka_cfg: KafkaConfig, pl
     assert groups["g3@e0r0"].partial and len(groups["g3@e0r0"].completions) == 3
     assert {c.metadata["attempt"] for c in groups["g7@e0r0"].completions} == {"new"}
     assert groups["g7@e0r0"].rewards == [0.0] * G
-    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
-    letters: list[wire.DeadLetter] = []
-    deadline = time.monotonic() + 30
-    while len(letters) < 2 and time.monotonic() < deadline:
-        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
-                    for m in msgs]
-    consumer.close()
+    letters = read_letters(kafka_cfg, plan.topic("dlq"), 2)
     reasons = " | ".join(d.reason for d in letters)
     assert "incomplete_group: g5@e0r0 has 1/4" in reasons and "not msgpack" in reasons
 
@@ -216,13 +222,7 @@ def test_completions_of_another_group_size_are_dead_lettered(kafka_cfg: KafkaCon
     producer.flush()
     producer.close()
     running(_verifier_cfg(kafka_cfg, plan))
-    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
-    letters: list[wire.DeadLetter] = []
-    deadline = time.monotonic() + 30
-    while not letters and time.monotonic() < deadline:
-        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
-                    for m in msgs]
-    consumer.close()
+    letters = read_letters(kafka_cfg, plan.topic("dlq"), 1)
     assert letters and letters[0].reason == (f"group_size_mismatch: completion of g9@e0r0 says G={G + 2}, "
                                              f"the pipeline contract G={G}")
 
@@ -243,12 +243,6 @@ def test_a_group_too_large_for_its_topic_is_dead_lettered(kafka_cfg: KafkaConfig
     send_groups(kafka_cfg, plan.topic("completions"), ["g2@e0r0"], dup_share=0.0, seed=5)
     v = running(_verifier_cfg(kafka_cfg, plan))
     assert [g.group_id for g in read_groups(kafka_cfg, plan.topic("groups"), 1)] == ["g2@e0r0"]
-    consumer = make_consumer(kafka_cfg, "test", None, [plan.topic("dlq")])
-    letters: list[wire.DeadLetter] = []
-    deadline = time.monotonic() + 30
-    while not letters and time.monotonic() < deadline:
-        letters += [wire.decode(m.value, wire.DeadLetter) for msgs in consumer.poll(timeout_ms=300).values()
-                    for m in msgs]
-    consumer.close()
+    letters = read_letters(kafka_cfg, plan.topic("dlq"), 1)
     assert letters and letters[0].reason.startswith("group_too_large: g1@e0r0 encodes to ")
     assert not v.stopping

@@ -250,14 +250,19 @@ def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[i
     return {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == topic and om.offset >= 0}
 
 
-def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = None) -> int:
+def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = None) -> int | None:
     """This consumer's own view of its lag: records between its position and the log end, summed over its
     assignment. ``positions`` (next offset per partition) replaces the client's position where the caller keeps
-    its own (the learner's checkpointed positions); a partition missing there counts as caught up."""
+    its own (the learner's checkpointed positions); a partition missing there counts as caught up. None when the
+    broker does not answer: a metric, never a reason to stop (a broker restart must be a pause)."""
     assigned = list(consumer.assignment())
     if not assigned:
         return 0
-    ends = consumer.end_offsets(assigned)
+    try:
+        ends = consumer.end_offsets(assigned)
+    except KafkaError as exc:
+        log.warning("lag unknown (%s: %s)", type(exc).__name__, exc)
+        return None
     if positions is None:
         return sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
     return sum(max(0, end - positions.get(tp.partition, end)) for tp, end in ends.items())

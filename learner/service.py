@@ -78,7 +78,7 @@ class Learner:
                                          contract=cfg.pipeline.digest())
         self.lineage = Lineage(self.out / "lineage.jsonl")
         self.stopping = False
-        self.liveness, self._lag_at = Liveness(cfg.metrics.stall_s), 0.0
+        self.liveness, self._lag_at, self._last_lag = Liveness(cfg.metrics.stall_s), 0.0, 0
         self.last_group_at = time.monotonic()
 
     # ---- start-up ----------------------------------------------------------------------------------
@@ -175,8 +175,12 @@ class Learner:
         return self.stopping or idle
 
     def _lag(self) -> int:
-        """Groups received or waiting in the topic that this learner may still train (what its group shows)."""
-        return assigned_lag(self.source.consumer, self.source.visible or self.source.position)
+        """Groups received or waiting in the topic that this learner may still train (what its group shows); the
+        last known figure while the broker does not answer."""
+        lag = assigned_lag(self.source.consumer, self.source.visible or self.source.position)
+        if lag is not None:
+            self._last_lag = lag
+        return self._last_lag
 
     # ---- durable effects ---------------------------------------------------------------------------
     def save_checkpoint(self) -> float:

@@ -112,7 +112,9 @@ class Producer:
         """Work is waiting while the prompts this producer holds have records it has not read (every few s)."""
         if time.monotonic() - self._lag_at >= 5.0:
             self._lag_at = time.monotonic()
-            self.liveness.waiting = assigned_lag(self.prompts) > 0
+            lag = assigned_lag(self.prompts)
+            if lag is not None:
+                self.liveness.waiting = lag > 0
 
     def wait_until_allowed(self) -> Swap | None:
         """Block while backpressure says so; swap weights whenever newer ones are announced."""

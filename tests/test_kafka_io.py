@@ -285,3 +285,20 @@ def test_a_record_too_large_for_the_dlq_still_gets_a_dead_letter(kafka_cfg: Kafk
     for d in letters:
         assert d.truncated and d.raw_size == len(big) and d.raw_sha256 == hashlib.sha256(big).hexdigest()
         assert 0 < len(d.raw) < 1 << 20 and big.startswith(d.raw)
+
+
+def test_an_unknown_lag_is_none_not_a_crash() -> None:
+    """The lag is a metric: when the broker does not answer (a restart), the caller keeps going without it."""
+    from kafka.errors import KafkaTimeoutError
+
+    from grpo_core.kafka_io import assigned_lag
+
+    class Silent:
+        def assignment(self) -> set[TopicPartition]:
+            return {TopicPartition("t", 0)}
+
+        def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+            raise KafkaTimeoutError("Failed to get offsets by times in 30000ms")
+
+    assert assigned_lag(Silent()) is None  # type: ignore[arg-type]
+    assert assigned_lag(Silent(), {0: 5}) is None  # type: ignore[arg-type]

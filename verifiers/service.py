@@ -209,8 +209,9 @@ class Verifier:
             return
         self._lag_at = time.monotonic()
         lag = assigned_lag(self.consumer)
-        self.metrics.lag.set(lag)
-        self.liveness.waiting = lag > 0
+        if lag is not None:
+            self.metrics.lag.set(lag)
+            self.liveness.waiting = lag > 0
 
     def stop(self) -> None:
         self.stopping = True

@@ -162,10 +162,17 @@ class ScoredGroup(Record):
     partial: bool = False
     reward_info: dict[str, Any] = field(default_factory=dict)
     scored_at: float = 0.0
+    # Positions (in ``completions``) whose reward could not be computed (a crashed, hung or broken reward: see
+    # grpo_verifiers.rewards.failures). Their ``rewards`` entry is a 0 placeholder, not a score: the learner
+    # leaves them out of the group statistics and the loss. Omitted on the wire when empty, so records without
+    # failures stay readable by readers that predate the field.
+    failed: list[int] = field(default_factory=list, metadata={"omit_empty": True})
 
     def validate(self) -> None:
         n = len(self.completions)
         _require(n == len(self.rewards), f"rewards: {len(self.rewards)} values for {n} completions")
+        _require(len(set(self.failed)) == len(self.failed) and all(0 <= k < n for k in self.failed),
+                 f"failed: {self.failed[:8]} must be distinct positions in [0, {n})")
         _require(1 <= self.group_size <= MAX_GROUP_SIZE, f"group_size: {self.group_size} not in [1, {MAX_GROUP_SIZE}]")
         _require(n == self.group_size or (self.partial and 0 < n < self.group_size),
                  f"completions: {n} members for group_size {self.group_size} (partial={self.partial})")
@@ -183,6 +190,15 @@ class ScoredGroup(Record):
                 raise WireError(f"completions: index {c.index} has version {c.policy_version}, "
                                 f"group has {self.policy_version} (a group is never split across versions)")
             seen.add(c.index)
+
+    def valid_part(self) -> ScoredGroup:
+        """The group without its ``failed`` members (in memory: the learner trains this; never re-encoded)."""
+        if not self.failed:
+            return self
+        bad = set(self.failed)
+        keep = [k for k in range(len(self.completions)) if k not in bad]
+        return dataclasses.replace(self, completions=[self.completions[k] for k in keep],
+                                   rewards=[self.rewards[k] for k in keep], failed=[], partial=True)
 
 
 @dataclass(slots=True, eq=False)
@@ -271,6 +287,8 @@ def _to_wire(record: Record) -> dict[str, Any]:
     arrays: dict[str, np.ndarray] = {}
     for name, spec in _specs(type(record)):
         value = getattr(record, name)
+        if spec.omit_empty and not value:
+            continue
         try:
             if spec.dtype is not None:
                 value = _pack_array(value, spec.dtype).tobytes()
@@ -371,6 +389,7 @@ class _Spec:
     required: bool
     dtype: str | None = None
     record: type[Record] | None = None
+    omit_empty: bool = False  # an optional field left out of the encoding while empty (added without a bump)
 
 
 @functools.cache
@@ -389,7 +408,7 @@ def _specs(cls: type[Record]) -> tuple[tuple[str, _Spec], ...]:
             sub = typing.get_args(hint)[0]
             out.append((f.name, _Spec(functools.partial(_check_records, cls=sub), required, record=sub)))
         else:
-            out.append((f.name, _Spec(_SCALAR_CHECKS[hint], required)))
+            out.append((f.name, _Spec(_SCALAR_CHECKS[hint], required, omit_empty=f.metadata.get("omit_empty", False))))
     return tuple(out)
 
 
@@ -510,6 +529,14 @@ def _check_float_list(v: Any) -> list[float]:
     return [_check_float(x) for x in v]
 
 
+def _check_int_list(v: Any) -> list[int]:
+    if type(v) is not list:
+        raise _type_error("a list", v)
+    if len(v) > MAX_GROUP_SIZE:
+        raise WireError(f"{len(v)} values > cap {MAX_GROUP_SIZE}")
+    return [_check_int(x) for x in v]
+
+
 def _check_records(v: Any, cls: type[Record]) -> list[Record]:
     if type(v) is not list:
         raise _type_error("a list", v)
@@ -527,6 +554,7 @@ _SCALAR_CHECKS: dict[Any, Callable[[Any], Any]] = {
     dict[str, Any]: _check_metadata,
     dict[str, float]: _check_float_map,
     list[float]: _check_float_list,
+    list[int]: _check_int_list,
 }
 
 

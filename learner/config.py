@@ -67,6 +67,9 @@ class LearnerConfig:
     start_from: Literal["earliest", "latest"] = opt(
         "earliest", "Where a run without a checkpoint starts reading the groups topic.")
     accept_partial: bool = opt(True, "Train groups a verifier published as partial (fewer than G members).")
+    min_valid_rewards: int = opt(
+        2, "A group whose verifier could not score some members (failed rewards: never trained) is trained on the "
+           "rest only if at least this many are left; otherwise dropped with reason reward_failed.")
     groups_per_batch: int = opt(8, "B: scored groups per learner step.")
     flush_after_s: float = opt(
         0.0, "Train a short batch of the groups queued once no group arrived for this long, so the tail of a "
@@ -89,6 +92,8 @@ class LearnerConfig:
 
     def validate(self) -> None:
         require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
+        require(1 <= self.min_valid_rewards <= self.pipeline.group_size,
+                f"min_valid_rewards: must be in [1, pipeline.group_size={self.pipeline.group_size}]")
         require(self.flush_after_s >= 0, "flush_after_s: must be >= 0 (0: off)")
         require(all(p.isdigit() and o >= 0 for p, o in self.skip_to.items()),
                 f"skip_to: expected {{partition: offset}} with non-negative numbers, got {self.skip_to}")

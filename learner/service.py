@@ -67,7 +67,7 @@ class Learner:
                                 max_record_bytes=cfg.pipeline.record_limit("dlq", cfg.kafka))
         max_len = cfg.max_seq_len or int(getattr(model.config, "max_position_embeddings", 0) or 0)
         rules = SourceRules(cfg.pipeline.group_size, cfg.accept_partial, cfg.pipeline.max_staleness, max_len,
-                            cfg.advantages.zero_variance == "drop")
+                            cfg.advantages.zero_variance == "drop", cfg.min_valid_rewards)
         consumer = make_consumer(cfg.kafka, "learner", cfg.pipeline.group("learner"))
         self.source = GroupSource(consumer, cfg.pipeline.topic("groups"), self.dead, rules, cfg.dedup_window)
         # Its own uncompressed producer: weight chunks do not compress, lz4 would only burn CPU.

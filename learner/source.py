@@ -34,6 +34,7 @@ class Item:
     group: wire.ScoredGroup | None
     reason: str = ""
     group_id: str = ""  # kept for the lineage when a decodable but invalid group was dead-lettered
+    failed: int = 0  # members whose reward failed, already removed from ``group`` (ScoredGroup.valid_part)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class SourceRules:
     max_staleness: int
     max_seq_len: int
     drop_zero_variance: bool
+    min_valid_rewards: int = 2
 
 
 class GroupSource:
@@ -178,6 +180,10 @@ class GroupSource:
                 if group is not None and (reason := self._invalid(group, step)):
                     self.dead.send(msg, f"{reason}: group {group.group_id}")
                     item.group, item.reason, item.group_id = None, reason, group.group_id
+                elif group is not None and group.failed:
+                    # Failed rewards are no signal: they leave the statistics and the loss here, before anything
+                    # (zero-variance, advantages) looks at the rewards.
+                    item.failed, item.group = len(group.failed), group.valid_part()
                 self.queue.append(item)
 
     def _invalid(self, g: wire.ScoredGroup, step: int) -> str:
@@ -205,6 +211,8 @@ class GroupSource:
             return "duplicate"
         if too_stale(step, g.policy_version, self.rules.max_staleness):
             return "stale"
+        if item.failed and len(g.completions) < self.rules.min_valid_rewards:
+            return "reward_failed"
         if self.rules.drop_zero_variance and is_zero_variance(g.rewards):
             return "zero_variance"
         return ""
@@ -246,7 +254,8 @@ def lineage_entries(pick: Pick, step: int) -> tuple[list[dict], list[dict]]:
         if g is None:
             return base | ({"group_id": item.group_id} if item.group_id else {})
         return base | {"group_id": g.group_id, "version": g.policy_version,
-                       "staleness": staleness(step, g.policy_version)}
+                       "staleness": staleness(step, g.policy_version)} | (
+                           {"reward_failed": item.failed} if item.failed else {})
 
     trained = [entry(i) for i in pick.trained]
     dropped = [entry(i) | {"reason": i.reason} for i in pick.dropped]

@@ -7,8 +7,10 @@ that each one costs a single record a zero with a reason, and never the pool.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -79,3 +81,19 @@ def nap(completion: str, prompt: str, metadata: dict[str, Any], *, seconds: floa
     """Slow but well-behaved: shows that a batch runs on all workers at once."""
     time.sleep(seconds)
     return 1.0
+
+
+def crashes_once(completion: str, prompt: str, metadata: dict[str, Any]) -> float:
+    """Kills its worker the first time it sees ``metadata["marker"]`` (a path), then scores 1: a transient fault."""
+    marker = Path(metadata["marker"])
+    if not marker.exists():
+        marker.write_text("crashed")
+        os._exit(7)
+    return 1.0
+
+
+def fails_on_word(completion: str, prompt: str, metadata: dict[str, Any], *, word: str = "FAIL") -> float:
+    """A reward with a bug that some completions trigger: raises on ``word``, else exact match with the answer."""
+    if word in completion:
+        raise RuntimeError(f"cannot parse {word}")
+    return float(completion == str(metadata.get("answer")))

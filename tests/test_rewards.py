@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from grpo_core.config import ConfigError, build
-from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request
+from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request, failures
 from grpo_verifiers.rewards.builtins import exact, format_reward, regex, resolve
 from grpo_verifiers.rewards.math_reward import gold_text, last_boxed, math_answer
 from grpo_verifiers.rewards.registry import judge
@@ -158,6 +159,8 @@ CHAOS = {
     "mixed": [RewardTerm("math", 0.9), RewardTerm("format", 0.1, {"tags": ["answer"]})],
     "custom": [RewardTerm(f"{FX}:length_ratio", 1.0, {"target": 4})],
     "nap": [RewardTerm(f"{FX}:nap", 1.0, {"seconds": 0.3})],
+    "flaky": [RewardTerm(f"{FX}:crashes_once")],
+    "hang_is_zero": [RewardTerm(f"{FX}:sleep_forever", zero_on=["timeout"])],
     "regex_bomb": [RewardTerm("regex", 1.0, {"pattern": r"(a+)+$"})],  # exponential backtracking
     "default": [RewardTerm("exact")],
 }
@@ -202,14 +205,45 @@ def assert_healthy(pool: RewardPool) -> None:
     ("str", "bad_result: str", 0),
 ])
 def test_pool_contains_each_failure(pool: RewardPool, task: str, reason: str, restarts: int) -> None:
+    """Each is an infrastructure failure: tried twice (retries=1), then failed (no score), never a 0 to train on."""
     before = pool.stats()
     [result] = pool.score_batch([req(task)])
-    assert (result.reward, result.error) == (0.0, reason)
+    assert (result.reward, result.error, result.failed) == (0.0, reason, True)
     after = pool.stats()
     kind = reason.split(":", 1)[0]
-    assert after["errors"][kind] == before["errors"].get(kind, 0) + 1
-    assert after["worker_restarts"] == before["worker_restarts"] + restarts
+    assert after["errors"][kind] == before["errors"].get(kind, 0) + 2
+    assert after["worker_restarts"] == before["worker_restarts"] + 2 * restarts
+    assert (after["retried"], after["failed"]) == (before["retried"] + 1, before["failed"] + 1)
     assert_healthy(pool)
+
+
+def test_a_transient_failure_is_retried_and_scores(pool: RewardPool, tmp_path: Path) -> None:
+    before = pool.stats()
+    [result] = pool.score_batch([RewardRequest("x", "", "flaky", {"marker": str(tmp_path / "m")})])
+    assert (result.reward, result.error, result.failed) == (1.0, None, False)
+    after = pool.stats()
+    assert after["errors"]["crash"] == before["errors"].get("crash", 0) + 1  # the first try crashed its worker
+    assert (after["retried"], after["failed"]) == (before["retried"] + 1, before["failed"])
+    assert_healthy(pool)
+
+
+def test_a_term_may_declare_its_timeout_a_real_zero(pool: RewardPool) -> None:
+    before = pool.stats()
+    [result] = pool.score_batch([req("hang_is_zero")])
+    assert (result.reward, result.error, result.failed) == (0.0, "timeout", False)
+    assert pool.stats()["retried"] == before["retried"]  # a verdict is not retried
+    assert_healthy(pool)
+
+
+def test_failure_policies() -> None:
+    assert [failures.policy(r) for r in ("empty", "oversized", "invalid_utf8")] == ["zero"] * 3
+    assert [failures.policy(r) for r in ("timeout", "crash: signal 9", "memory", "exception: KeyError: 'a'",
+                                         "non_finite", "unknown_task: x", "something_new")] == ["fail"] * 7
+    assert failures.policy("timeout", frozenset({"timeout"})) == "zero"
+    assert failures.policy("non_finite", frozenset({"non_finite"})) == "fail"  # only the zeroable kinds move
+    assert not failures.retriable("unknown_task: x") and failures.retriable("crash: exit 3")
+    with pytest.raises(ConfigError, match="zero_on"):
+        RewardConfig(by_task={"t": [RewardTerm("exact", zero_on=["non_finite"])]}).validate()
 
 
 def test_pool_failures_inside_a_batch_spare_the_neighbours(pool: RewardPool) -> None:
@@ -271,7 +305,7 @@ def test_pool_combination_with_a_failing_term() -> None:
                        workers=1, timeout_s=2.0, memory_mb=512)
     with RewardPool(cfg) as p:
         [r] = p.score_batch([RewardRequest("<a>x</a>", "", "t", {})])
-    assert r.reward == pytest.approx(0.25)  # the failing term counts 0, the others still count
+    assert (r.reward, r.failed) == (0.0, True)  # a partial sum is no score: the record failed
     assert r.error == "exception: ValueError: boom"
     assert r.info["errors"] == {f"{FX}:raises": "exception: ValueError: boom"}
 
@@ -292,6 +326,8 @@ def test_pool_rejects_bad_inputs_without_calling_a_worker(pool: RewardPool) -> N
     results = pool.score_batch([r for r, _ in cases])
     assert [r.error for r in results] == [reason for _, reason in cases]
     assert [r.reward for r in results] == [0.0] * 6 + [1.0, 0.0, 0.0]
+    # The completion's own faults are its 0; unusable metadata is no verdict on the completion.
+    assert [r.failed for r in results] == [False] * 7 + [True, True]
     after = pool.stats()
     assert after["pooled_records"] == before["pooled_records"]  # none of them reached a worker
     assert after["errors"]["invalid_utf8"] == before["errors"].get("invalid_utf8", 0) + 3
@@ -301,7 +337,7 @@ def test_pool_rejects_bad_inputs_without_calling_a_worker(pool: RewardPool) -> N
 def test_unknown_task_without_default_and_memory_floor() -> None:
     with RewardPool(RewardConfig(workers=1, memory_mb=512)) as p:
         [r] = p.score_batch([RewardRequest("7", "", "who", {"answer": "7"})])
-        assert (r.reward, r.error) == (0.0, "unknown_task: who")
+        assert (r.reward, r.error, r.failed) == (0.0, "unknown_task: who", True)
         [r] = p.score_batch([RewardRequest("\\boxed{0.5}", "", "math", {"answer": "\\frac12"})])
         assert (r.reward, r.error) == (1.0, None)
     with pytest.raises(ConfigError, match="memory_mb=64 leaves no room"):

@@ -3,6 +3,7 @@ finite feed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,7 +15,7 @@ from test_learner_service import G, synthetic_group
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
 from grpo_core.kafka_io import DeadLetters, consumer_lag, make_consumer, make_producer
-from grpo_learner.source import GroupSource, SourceRules
+from grpo_learner.source import GroupSource, SourceRules, lineage_entries
 
 
 @pytest.fixture
@@ -80,3 +81,23 @@ def test_the_tail_of_a_finite_feed_is_flushed(source: Callable) -> None:
     assert pick is not None and [i.group.group_id for i in pick.trained] == ["t0@e0r0", "t1@e0r0", "t2@e0r0"]
     assert time.monotonic() - t0 >= 1.0 and pick.next_offsets == {0: 3}
     assert src.next_batch(0, 8, _stop_after(5), 100, flush_after_s=0.0) is None  # off: it waits for 8
+
+
+def test_failed_rewards_leave_the_group_or_drop_it(source: Callable) -> None:
+    """A member whose reward failed is no signal: it is gone before anything reads the rewards (statistics,
+    zero-variance, loss), and a group left with fewer than min_valid_rewards members is dropped with a reason."""
+    rng = np.random.default_rng(3)
+    mostly = dataclasses.replace(synthetic_group("f0@e0r0", 0, rng), rewards=[1.0, 0.0, 0.0, 0.5], failed=[1, 2])
+    barely = dataclasses.replace(synthetic_group("f1@e0r0", 0, rng), rewards=[1.0, 0.0, 0.0, 0.0], failed=[1, 2, 3])
+    fine = synthetic_group("f2@e0r0", 0, rng)
+    src = source([mostly, barely, fine], 4)
+    pick = src.next_batch(0, 2, _stop_after(50), 100)
+    assert pick is not None
+    first, second = pick.trained
+    assert [c.index for c in first.group.completions] == [mostly.completions[0].index, mostly.completions[3].index]
+    assert (first.group.rewards, first.failed) == ([1.0, 0.5], 2)
+    assert second.group.group_id == "f2@e0r0" and second.failed == 0
+    assert [(i.group.group_id, i.reason) for i in pick.dropped] == [("f1@e0r0", "reward_failed")]
+    trained, dropped = lineage_entries(pick, 0)
+    assert trained[0]["reward_failed"] == 2 and "reward_failed" not in trained[1]
+    assert dropped[0] | {"reward_failed": 3, "reason": "reward_failed"} == dropped[0]

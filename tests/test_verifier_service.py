@@ -246,3 +246,24 @@ def test_a_group_too_large_for_its_topic_is_dead_lettered(kafka_cfg: KafkaConfig
     letters = read_letters(kafka_cfg, plan.topic("dlq"), 1)
     assert letters and letters[0].reason.startswith("group_too_large: g1@e0r0 encodes to ")
     assert not v.stopping
+
+
+def test_failed_rewards_are_marked_not_scored(kafka_cfg: KafkaConfig, plan: PipelineContract,
+                                              running: Callable) -> None:
+    """A reward that raises on some completions (after its retry) makes them failed members, not zeros: the
+    group's statistics are over the members that have a score."""
+    members = [dataclasses.replace(completion("f1@e0r0", i, str(i), True), task="buggy",
+                                   completion=["0", "FAIL", "x", "3"][i]) for i in range(G)]
+    producer = make_producer(kafka_cfg, "test")
+    for c in members:
+        producer.send(plan.topic("completions"), key=c.group_id.encode(), value=wire.encode(c))
+    producer.flush()
+    producer.close()
+    rewards = {"by_task": {"buggy": [{"name": "reward_fixtures:fails_on_word"}]}, "workers": 1, "retries": 1}
+    v = running(_verifier_cfg(kafka_cfg, plan, rewards=rewards))
+    [g] = read_groups(kafka_cfg, plan.topic("groups"), 1)
+    assert (g.failed, g.rewards) == ([1], [1.0, 0.0, 0.0, 1.0])
+    assert (g.reward_mean, g.reward_std) == pytest.approx(group_stats([1.0, 0.0, 1.0], plan.stats_eps))
+    assert g.reward_info["errors"] == ["exception: RuntimeError: cannot parse FAIL"]
+    assert v.metrics.reward_failed._value.get() == 1
+    assert v.pool.stats()["retried"] == 1

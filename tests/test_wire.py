@@ -86,7 +86,7 @@ def scored_groups(draw: st.DrawFn) -> wire.ScoredGroup:
         rewards=draw(st.lists(finite, min_size=n, max_size=n)), reward_mean=draw(finite),
         reward_std=draw(st.floats(min_value=0.0, allow_nan=False, allow_infinity=False)),
         verifier_id=draw(texts), group_size=group_size, partial=partial, reward_info=draw(metadata),
-        scored_at=draw(finite))
+        scored_at=draw(finite), failed=draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n)))
 
 
 @st.composite
@@ -227,7 +227,8 @@ def test_sample_records_round_trip_and_carry_tag_and_version() -> None:
     for record in SAMPLES.values():
         body = to_dict(record)
         assert body["_t"] == record.TYPE and body["_v"] == wire.SCHEMA_VERSION
-        assert set(body) == {"_t", "_v", *field_names(type(record))}
+        omitted = {f.name for f in dataclasses.fields(record) if f.metadata.get("omit_empty")}  # type: ignore
+        assert set(body) == {"_t", "_v", *field_names(type(record))} - omitted
         back = wire.decode(wire.encode(record), type(record))
         assert back == record and type(back) is type(record)
         assert wire.decode(wire.encode(record)) == record  # no expected= is fine too
@@ -631,6 +632,29 @@ def test_group_partial_but_empty_or_oversized() -> None:
     body["completions"].append(body["completions"][0])
     body["rewards"].append(0.0)
     assert_rejected(body, "5 members for group_size 4")
+
+
+def test_failed_members_travel_only_when_there_are_some() -> None:
+    """``failed`` was added without a schema bump: left out while empty, so records without failures are the same
+    bytes a reader predating it accepts, and its records still decode here."""
+    group = make_group(group_size=4, tokens=8)
+    body = msgpack.unpackb(wire.encode(group), raw=False)
+    assert "failed" not in body
+    assert wire.decode(msgpack.packb(body, use_bin_type=True), wire.ScoredGroup).failed == []
+    marked = dataclasses.replace(group, failed=[2, 0])
+    assert msgpack.unpackb(wire.encode(marked), raw=False)["failed"] == [2, 0]
+    assert wire.decode(wire.encode(marked), wire.ScoredGroup).failed == [2, 0]
+    for bad in ([4], [-1], [1, 1]):
+        with pytest.raises(wire.WireError, match="failed"):
+            wire.encode(dataclasses.replace(group, failed=bad))
+
+
+def test_the_valid_part_of_a_group_leaves_out_its_failed_members() -> None:
+    group = dataclasses.replace(make_group(group_size=4, tokens=8), rewards=[1.0, 0.0, 0.5, 0.0], failed=[1, 3])
+    part = group.valid_part()
+    assert [c.index for c in part.completions] == [group.completions[0].index, group.completions[2].index]
+    assert (part.rewards, part.failed, part.partial) == ([1.0, 0.5], [], True)
+    assert make_group(group_size=4, tokens=8).valid_part().partial is False
 
 
 def test_group_rewards_count_and_std_sign() -> None:

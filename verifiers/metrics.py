@@ -19,8 +19,11 @@ class VerifierMetrics:
                                registry=r)
         self.reward_seconds = Histogram(p + "reward_seconds", "Reward call latency", registry=r,
                                         buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
-        self.reward_errors = Counter(p + "reward_errors_total", "Reward calls that failed (reward 0)", ["reason"],
+        self.reward_errors = Counter(p + "reward_errors_total", "Scored members whose reward gave no value, by "
+                                     "reason kind (a real 0 or failed: grpo_verifiers.rewards.failures)", ["reason"],
                                      registry=r)
+        self.reward_failed = Counter(p + "reward_failed_total", "Members published as failed (no score after "
+                                     "retries; the learner never trains on them)", registry=r)
         self.worker_restarts = Counter(p + "reward_worker_restarts_total", "Reward workers replaced", registry=r)
         self.partial = Counter(p + "partial_groups_total", "Groups published with fewer than G members", registry=r)
         self.dropped = Counter(p + "dropped_groups_total", "Incomplete groups sent to the dlq", registry=r)

@@ -162,14 +162,16 @@ class Verifier:
 
     def _scored_group(self, r: Ready, scored: list[RewardResult]) -> wire.ScoredGroup | None:
         rewards = [s.reward for s in scored]
-        mean, std = group_stats(rewards, self.cfg.pipeline.stats_eps)
+        failed = [k for k, s in enumerate(scored) if s.failed]  # no score: kept out of the statistics
+        valid = [s.reward for s in scored if not s.failed]
+        mean, std = group_stats(valid, self.cfg.pipeline.stats_eps) if valid else (0.0, 0.0)
         first = r.members[0].completion
         errors = [s.error for s in scored if s.error]
         record = wire.ScoredGroup(
             group_id=r.group_id, prompt_id=first.prompt_id, task=first.task, policy_version=first.policy_version,
             completions=[m.completion for m in r.members], rewards=rewards, reward_mean=mean, reward_std=std,
             verifier_id=self.id, group_size=first.group_size, partial=r.partial,
-            reward_info={"errors": errors[:16]} if errors else {}, scored_at=wire.now())
+            reward_info={"errors": errors[:16]} if errors else {}, scored_at=wire.now(), failed=failed)
         try:
             record.validate()
         except wire.WireError as exc:  # e.g. members disagreeing on their version: never crash, dead-letter it
@@ -189,6 +191,8 @@ class Verifier:
             m.reward_seconds.observe(s.seconds)
             if s.error:
                 m.reward_errors.labels(reason=s.error.split(":", 1)[0]).inc()
+            if s.failed:
+                m.reward_failed.inc()
         restarts = int(self.pool.stats().get("restarts", 0))
         m.worker_restarts.inc(max(0, restarts - self._restarts_seen))
         self._restarts_seen = max(restarts, self._restarts_seen)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from grpo_core.config import ConfigError, opt, require
 from grpo_verifiers.rewards.builtins import BUILTINS, resolve
+from grpo_verifiers.rewards.failures import ZEROABLE
 
 StartMethod = Literal["spawn", "forkserver"]
 DEFAULT_TASK = "default"
@@ -34,10 +35,16 @@ class RewardTerm:
     name: str = opt(help="A built-in (exact, regex, format, math) or a dotted path 'package.module:function'.")
     weight: float = opt(1.0, "Relative weight; a task's weights are divided by their sum.")
     params: dict[str, Any] = opt(factory=dict, help="Keyword arguments passed to the reward function.")
+    zero_on: list[str] = opt(
+        factory=list, help="Failure kinds of this term that are the completion's fault and score 0 instead of "
+        "failing (e.g. [timeout] for a checker a pathological expression can hang); allowed: "
+        f"{sorted(ZEROABLE)}. See grpo_verifiers.rewards.failures.")
 
     def validate(self) -> None:
         require(bool(self.name), "rewards.by_task.*.name: must not be empty")
         require(self.weight >= 0, f"reward term {self.name}: weight must be >= 0, got {self.weight}")
+        bad = sorted(set(self.zero_on) - ZEROABLE)
+        require(not bad, f"reward term {self.name}: zero_on {bad} not allowed; allowed: {sorted(ZEROABLE)}")
 
 
 @dataclass
@@ -48,7 +55,10 @@ class RewardConfig:
         factory=dict, help="Task name -> weighted reward terms; key 'default' serves unmapped tasks. A task named "
         "like a built-in reward (math, exact, ...) uses that reward when it has no entry.")
     workers: int = opt(2, "Sandbox worker processes scoring in parallel (each is restarted when it hangs or dies).")
-    timeout_s: float = opt(5.0, "Per-record limit for the pooled terms; past it the worker is killed: reward 0.")
+    timeout_s: float = opt(5.0, "Per-record limit for the pooled terms; past it the worker is killed and the record "
+                           "retried, then marked failed (or 0 where the term says zero_on: [timeout]).")
+    retries: int = opt(1, "Extra tries for a record whose reward failed (crash, timeout, exception, ...) before it "
+                       "is published as failed: never a training signal (grpo_verifiers.rewards.failures).")
     memory_mb: int = opt(1024, "Address-space cap (RLIMIT_AS) of each worker, in MiB, set after its imports.")
     max_completion_chars: int = opt(100_000, "Longer completions score 0 ('oversized') without any reward call.")
     inline_trusted: list[str] = opt(
@@ -62,6 +72,7 @@ class RewardConfig:
     def validate(self) -> None:
         require(1 <= self.workers <= 256, "rewards.workers: must be in [1, 256]")
         require(self.timeout_s > 0, "rewards.timeout_s: must be > 0")
+        require(0 <= self.retries <= 5, "rewards.retries: must be in [0, 5]")
         require(self.memory_mb >= 64, "rewards.memory_mb: must be >= 64 (a Python worker alone needs ~30 MiB)")
         require(self.max_completion_chars >= 1, "rewards.max_completion_chars: must be >= 1")
         require(1 <= self.max_chunk <= 1024, "rewards.max_chunk: must be in [1, 1024]")

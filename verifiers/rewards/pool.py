@@ -3,7 +3,9 @@
 Why not ``concurrent.futures.ProcessPoolExecutor``: it cannot kill one hung task -- a killed worker breaks the
 whole executor. Here each worker owns one duplex ``Pipe``; the verifier sends it a chunk of records and reads one
 reply per record. Each record is timed on its own (from the previous reply, or the send), so a chunk never
-blurs which record hung. Outcomes that score 0 with a reason, counted in :meth:`RewardPool.stats`:
+blurs which record hung. Outcomes without a score, with their reason, counted in :meth:`RewardPool.stats`
+(each attempt); whether a reason is a real 0 or a failure (retried, then ``RewardResult.failed``, never
+training signal) is declared in ``grpo_verifiers.rewards.failures``:
 
 ==================  ======================================================================================
 ``timeout``         no reply within ``timeout_s``: the worker is SIGKILLed and replaced
@@ -48,6 +50,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from grpo_core.config import ConfigError, validate_tree
+from grpo_verifiers.rewards import failures
 from grpo_verifiers.rewards.config import RewardConfig
 from grpo_verifiers.rewards.registry import MAX_ERROR_CHARS, Plan, PlannedTerm, TermOutcome, call_term, exception_reason
 
@@ -80,6 +83,7 @@ class RewardResult:
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    failed: bool = False  # no score: ``reward`` is a placeholder, never training signal (rewards.failures)
 
 
 # ------------------------------------------------------------------------------------------ input checks
@@ -218,8 +222,9 @@ def _crash_reason(exitcode: int | None) -> str:
 
 
 def _combine(job: _Job) -> RewardResult:
-    """Weighted average of the terms (weights already normalised); errored terms count as 0."""
-    reward, error, rewards, details, errors = 0.0, None, {}, {}, {}
+    """Weighted average of the terms (weights already normalised); errored terms count as 0, and one whose
+    failure policy is ``fail`` makes the whole record failed (a partial sum is no score either)."""
+    reward, error, rewards, details, errors, failed = 0.0, None, {}, {}, {}, False
     for term, out in zip(job.terms, job.outcomes, strict=True):
         assert out is not None
         reward += term.weight * out.reward
@@ -229,12 +234,13 @@ def _combine(job: _Job) -> RewardResult:
         if out.error:
             errors[term.label] = out.error
             error = error or out.error
+            failed = failed or failures.policy(out.error, term.zero_on) == "fail"
     info: dict[str, Any] = {"terms": rewards}
     if details:
         info["details"] = details
     if errors:
         info["errors"] = errors
-    return RewardResult(min(1.0, max(0.0, reward)), error, info, job.seconds)
+    return RewardResult(0.0 if failed else min(1.0, max(0.0, reward)), error, info, job.seconds, failed)
 
 
 class RewardPool:
@@ -268,31 +274,47 @@ class RewardPool:
     # -------------------------------------------------------------------------------------- public API
 
     def score_batch(self, items: Sequence[RewardRequest]) -> list[RewardResult]:
-        """One result per request, in order. Never raises for anything a request or a reward does."""
+        """One result per request, in order. Never raises for anything a request or a reward does.
+
+        A failed record (policy ``fail``, see ``rewards.failures``) is scored again up to ``retries`` times: a
+        crashed or hung worker is replaced, so a second try usually gives the score."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
-            results: list[RewardResult | None] = [None] * len(items)
-            jobs: list[_Job] = []
-            for i, req in enumerate(items):
-                prepared = self._prepare(i, req)
-                if isinstance(prepared, RewardResult):
-                    results[i] = prepared
-                else:
-                    jobs.append(prepared)
-            queue = collections.deque(j for j in jobs if j.payload)
-            if queue:
-                self._counts["pooled_records"] += len(queue)
-                try:
-                    self._drive(queue)
-                except Exception as exc:  # a pool bug or an OS limit (fds, processes): lose a batch, not the service
-                    log.exception("reward pool failed; restarting its workers")
-                    for job in jobs:
-                        self._fail_job(job, f"pool_error: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-                    self._reset_workers()
-            for job in jobs:
-                results[job.index] = self._finish(job)
-            return results  # type: ignore[return-value]
+            results = self._score(items)
+            for _ in range(self.cfg.retries):
+                again = [i for i, r in enumerate(results) if r.failed and failures.retriable(r.error or "")]
+                if not again:
+                    break
+                self._counts["retried"] += len(again)
+                for i, result in zip(again, self._score([items[i] for i in again]), strict=True):
+                    results[i] = result
+            self._counts["failed"] += sum(r.failed for r in results)
+            return results
+
+    def _score(self, items: Sequence[RewardRequest]) -> list[RewardResult]:
+        """One pass over ``items`` (no retries): inline terms here, pooled ones in the workers."""
+        results: list[RewardResult | None] = [None] * len(items)
+        jobs: list[_Job] = []
+        for i, req in enumerate(items):
+            prepared = self._prepare(i, req)
+            if isinstance(prepared, RewardResult):
+                results[i] = prepared
+            else:
+                jobs.append(prepared)
+        queue = collections.deque(j for j in jobs if j.payload)
+        if queue:
+            self._counts["pooled_records"] += len(queue)
+            try:
+                self._drive(queue)
+            except Exception as exc:  # a pool bug or an OS limit (fds, processes): lose a batch, not the service
+                log.exception("reward pool failed; restarting its workers")
+                for job in jobs:
+                    self._fail_job(job, f"pool_error: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+                self._reset_workers()
+        for job in jobs:
+            results[job.index] = self._finish(job)
+        return results  # type: ignore[return-value]
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until all ``workers`` are ready (e.g. after a crash, for a health check); False on timeout."""
@@ -325,6 +347,7 @@ class RewardPool:
                 "calls": self._counts["calls"], "pooled_records": self._counts["pooled_records"],
                 "inline_terms": self._counts["inline_terms"], "errors": dict(self._errors),
                 "worker_restarts": self._counts["worker_restarts"], "restarts": self._counts["worker_restarts"],
+                "retried": self._counts["retried"], "failed": self._counts["failed"],
                 "workers_alive": sum(w.proc.is_alive() for w in self._workers),
                 "workers_ready": sum(w.ready for w in self._workers),
             }
@@ -375,8 +398,8 @@ class RewardPool:
         return job
 
     def _rejected(self, reason: str) -> RewardResult:
-        self._errors[reason.split(":", 1)[0]] += 1
-        return RewardResult(0.0, reason, {}, 0.0)
+        self._errors[failures.kind(reason)] += 1
+        return RewardResult(0.0, reason, {}, 0.0, failures.policy(reason) == "fail")
 
     def _finish(self, job: _Job) -> RewardResult:
         for out in job.outcomes:

@@ -83,6 +83,7 @@ class PlannedTerm:
     weight: float
     params: dict[str, Any]
     inline: bool
+    zero_on: frozenset[str] = frozenset()  # failure kinds the term declares the completion's fault (failures.py)
 
 
 class Plan:
@@ -112,7 +113,7 @@ class Plan:
             n = labels[t.name] = labels.get(t.name, 0) + 1
             label = t.name if n == 1 else f"{t.name}#{n}"
             planned.append(PlannedTerm(label, resolve(t.name), t.weight / total, dict(t.params),
-                                       t.name in self._inline))
+                                       t.name in self._inline, frozenset(t.zero_on)))
         return planned
 
     def warmups(self) -> list[Callable[[], None]]:

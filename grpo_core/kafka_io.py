@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -123,6 +124,29 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
         # that second join leaves the member wedged for good (no fetches, no heartbeats, silently expelled).
         with_retry(lambda: _refresh_metadata(consumer, topics), f"{role}: metadata after subscribing")
     return consumer
+
+
+_last_poll_warning = 0.0
+
+
+def poll(consumer: KafkaConsumer, timeout_ms: int,
+         max_records: int | None = None) -> dict[TopicPartition, list[ConsumerRecord]]:
+    """``consumer.poll`` through a broker restart: a broker that does not answer is an empty poll, not a crash.
+
+    kafka-python 3.0.12 lets a failed metadata refresh escape ``poll`` as ``KafkaConnectionError`` while the
+    broker is down (seen in the chaos run: a verifier died of it); the client reconnects and rejoins its group
+    by itself on a later poll, so retriable errors wait a little and return nothing. Others still raise."""
+    global _last_poll_warning
+    try:
+        return consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+    except KafkaError as exc:
+        if not exc.retriable:
+            raise
+        if time.monotonic() - _last_poll_warning > 10.0:
+            _last_poll_warning = time.monotonic()
+            log.warning("poll: the broker does not answer (%s: %s); retrying", type(exc).__name__, exc)
+        time.sleep(max(0.1, min(1.0, timeout_ms / 1000)))
+        return {}
 
 
 def _refresh_metadata(consumer: KafkaConsumer, topics: list[str]) -> None:
@@ -242,6 +266,32 @@ def partitions_of(admin: KafkaAdminClient, topic: str) -> list[int]:
     if meta.get("error_code", 0):
         raise KafkaError(f"topic {topic}: error code {meta['error_code']}")
     return sorted(p["partition_index"] for p in meta["partitions"])
+
+
+def read_topic(cfg: KafkaConfig, topic: str, timeout_s: float = 120.0) -> list[ConsumerRecord]:
+    """Every record of ``topic`` from its beginning to the end offsets at the call, in partition/offset order
+    (audits and tools; no consumer group, nothing committed)."""
+    admin = make_admin(cfg, "reader")
+    try:
+        parts = partitions_of(admin, topic)
+        ends = end_offsets(admin, topic, parts)
+    finally:
+        admin.close()
+    consumer = make_consumer(cfg, "reader", None)
+    try:
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        out: dict[int, list[ConsumerRecord]] = {p: [] for p in parts}
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < ends[tp.partition] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {topic}: not at its end offsets {ends} within {timeout_s:.0f}s")
+            for tp, msgs in poll(consumer, 500).items():
+                out[tp.partition] += [m for m in msgs if m.offset < ends[tp.partition]]
+        return [m for p in parts for m in out[p]]
+    finally:
+        consumer.close()
 
 
 def committed_offsets(admin: KafkaAdminClient, group: str, topic: str) -> dict[int, int]:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -54,6 +55,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def restartable_port(taken: set[int]) -> int:
+    """A free port below the ephemeral range, for a broker that is stopped and started again: while it is down its
+    clients keep connecting, and a port from that range can be handed to one of them as its source port (a TCP
+    self-connect), so the broker could not bind it again."""
+    for _ in range(200):
+        port = random.randrange(20_000, 32_000)
+        if port not in taken and port_is_free(port):
+            taken.add(port)
+            return port
+    raise BrokerError("no free port in 20000-32000")
 
 
 def port_is_free(port: int) -> bool:

@@ -114,6 +114,12 @@ def _k8s(args: argparse.Namespace) -> int:
     return main([args.action, *args.rest])
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from grpo_stream.chaos import main
+
+    return main(seed=args.seed, prompts=args.prompts, minutes=args.minutes, out=args.out, overrides=args.overrides)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from grpo_stream.demo import main
 
@@ -195,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="model, data and sampling seed")
     d.add_argument("--out", default=None, help="run directory (default runs/demo-seed<SEED>)")
     d.set_defaults(fn=_demo)
+
+    ch = sub.add_parser("chaos", help="kill -9 every role, restart the broker, inject poison records, rescale; "
+                                      "then reconcile (exit 1 if a promise broke)")
+    ch.add_argument("--seed", type=int, default=0, help="the schedule's order and steps, and the junk bytes")
+    ch.add_argument("--prompts", type=int, default=256, help="size of the finite feed")
+    ch.add_argument("--minutes", type=float, default=10.0, help="upper bound of the whole run")
+    ch.add_argument("--out", default=None, help="run directory (default runs/chaos-seed<SEED>)")
+    ch.add_argument("overrides", nargs="*", help="key=value overrides of configs/chaos.yaml")
+    ch.set_defaults(fn=_chaos)
     return p
 
 

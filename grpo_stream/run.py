@@ -187,12 +187,18 @@ class Supervisor:
             if deadline is not None and time.monotonic() > deadline:
                 log.info("time budget reached")
                 break
-            for child in self.children:
-                if self._check(child):
-                    return
+            if self.tick():
+                return
             if on_tick is not None:
                 on_tick()
             time.sleep(0.5)
+
+    def tick(self) -> bool:
+        """One round of the watch: restart whatever crashed; True when the learner has exited."""
+        return any([self._check(child) for child in self.children])
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
 
     def _check(self, child: Child) -> bool:
         """Restart a crashed child; True when the run is over (the learner exited)."""

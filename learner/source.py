@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_core import wire
-from grpo_core.kafka_io import Consumer, DeadLetters, Partition, commit_processed, with_retry
+from grpo_core.kafka_io import Consumer, DeadLetters, Partition, commit_processed, poll, with_retry
 from grpo_core.staleness import from_the_future, staleness, too_stale
 from grpo_core.stats import is_zero_variance
 
@@ -172,7 +172,7 @@ class GroupSource:
             commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in visible.items()})
 
     def _poll(self, poll_ms: int, max_records: int, step: int) -> None:
-        for tp, msgs in self.consumer.poll(timeout_ms=poll_ms, max_records=max_records).items():
+        for tp, msgs in poll(self.consumer, poll_ms, max_records).items():
             self.last_arrival = time.monotonic()
             for msg in msgs:
                 group, reason = self.dead.decode_or_reason(msg, wire.ScoredGroup)

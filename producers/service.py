@@ -31,6 +31,7 @@ from grpo_core.kafka_io import (
     make_admin,
     make_consumer,
     make_producer,
+    poll,
 )
 from grpo_core.metrics import Liveness
 from grpo_core.process import reuse_freed_memory, serve
@@ -158,7 +159,7 @@ class Producer:
     # ---- one batch ---------------------------------------------------------------------------------
     def take_prompts(self) -> tuple[list[Job], dict[Partition, int]]:
         """Poll up to a batch of prompts; dead-letter the ones that cannot be generated."""
-        polled = self.prompts.poll(timeout_ms=1000, max_records=self.cfg.prompts_per_batch)
+        polled = poll(self.prompts, 1000, self.cfg.prompts_per_batch)
         jobs, next_offsets = [], {}
         for tp, msgs in polled.items():
             for msg in msgs:

@@ -302,3 +302,22 @@ def test_an_unknown_lag_is_none_not_a_crash() -> None:
 
     assert assigned_lag(Silent()) is None  # type: ignore[arg-type]
     assert assigned_lag(Silent(), {0: 5}) is None  # type: ignore[arg-type]
+
+
+def test_poll_through_a_broker_that_does_not_answer() -> None:
+    """kafka-python lets a failed metadata refresh escape poll() mid-outage (a verifier died of it in the chaos
+    run): a retriable error is an empty poll; anything else still raises."""
+    from kafka.errors import KafkaConnectionError, UnknownMemberIdError
+
+    from grpo_core.kafka_io import poll
+
+    class Flaky:
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def poll(self, timeout_ms: int, max_records: int | None = None) -> dict:
+            raise self.error
+
+    assert poll(Flaky(KafkaConnectionError("111 ECONNREFUSED")), 100) == {}  # type: ignore[arg-type]
+    with pytest.raises(UnknownMemberIdError):
+        poll(Flaky(UnknownMemberIdError()), 100)  # type: ignore[arg-type]

@@ -3,7 +3,6 @@ and continue from committed offsets, and every prompt fed before, during and aft
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from grpo_core.kafka_io import make_admin, make_consumer, make_producer
 from grpo_core.topics import ensure_topics
 from grpo_producers.config import ProducerConfig
 from grpo_producers.service import Producer
-from grpo_stream.broker import LocalBroker, port_is_free
+from grpo_stream.broker import LocalBroker, restartable_port
 from grpo_stream.tiny_model import build_tiny_model
 from grpo_verifiers.config import VerifierConfig
 from grpo_verifiers.service import Verifier
@@ -28,23 +27,11 @@ G = 2
 pytestmark = pytest.mark.slow
 
 
-def fixed_port(taken: set[int]) -> int:
-    """A free port below the ephemeral range: while the broker is down, its clients keep connecting, and a port
-    from that range can be handed to one of them as its source port (a TCP self-connect), so the broker could not
-    bind it again."""
-    for _ in range(200):
-        port = random.randrange(20_000, 32_000)
-        if port not in taken and port_is_free(port):
-            taken.add(port)
-            return port
-    raise RuntimeError("no free port in 20000-32000")
-
-
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[LocalBroker]:
     """A broker of this test's own: it is stopped and started again mid-test."""
     ports: set[int] = set()
-    b = LocalBroker(data_dir=tmp_path / "kafka", port=fixed_port(ports), controller_port=fixed_port(ports))
+    b = LocalBroker(data_dir=tmp_path / "kafka", port=restartable_port(ports), controller_port=restartable_port(ports))
     b.up(fresh=True)
     try:
         yield b

@@ -24,6 +24,7 @@ from grpo_core.kafka_io import (
     commit_processed,
     make_consumer,
     make_producer,
+    poll,
 )
 from grpo_core.metrics import Liveness
 from grpo_core.process import serve
@@ -85,7 +86,7 @@ class Verifier:
 
     def run(self) -> None:
         while not self.stopping:
-            polled = self.consumer.poll(timeout_ms=self.cfg.poll_timeout_ms, max_records=self.cfg.max_poll_records)
+            polled = poll(self.consumer, self.cfg.poll_timeout_ms, self.cfg.max_poll_records)
             ready = self._assemble(polled)
             ready += self._resolve_expired()
             if ready:

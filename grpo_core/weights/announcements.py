@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Partition, Record, make_consumer
+from grpo_core.kafka_io import Partition, Record, make_consumer, poll
 from grpo_core.weights.common import SEND_TIMEOUT_S, WeightFetchError
 
 log = logging.getLogger("grpo_core.weights")
@@ -54,7 +54,7 @@ def read_announcements(kafka: KafkaConfig, topic: str, run: str,
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             if time.monotonic() > deadline:
                 raise WeightFetchError(f"weights topic {topic!r}: end not reached within {timeout_s:.0f}s")
-            for msgs in consumer.poll(timeout_ms=200).values():
+            for msgs in poll(consumer, 200).values():
                 for msg in msgs:
                     if msg.key == key and msg.offset < ends[Partition(msg.topic, msg.partition)]:
                         latest = _apply_announcement(msg, run, latest)

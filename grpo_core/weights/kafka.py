@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, cast
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Consumer, Partition, Producer, SendFuture, make_producer
+from grpo_core.kafka_io import Consumer, Partition, Producer, SendFuture, make_producer, poll
 from grpo_core.weights.chunks import ChunkAssembler, chunk_consumer
 from grpo_core.weights.common import (
     MODEL_FILE,
@@ -193,7 +193,7 @@ class KafkaStore:
             if all(consumer.position(tp) >= ends[tp] for tp in tps):
                 raise WeightFetchError(f"incomplete: {assembler.next_index} of {ann.num_chunks} chunks found up to "
                                        f"the end of {sorted(map(str, tps))} (deleted by retention?)")
-            batches = consumer.poll(timeout_ms=500)
+            batches = poll(consumer, 500)
             if not batches:
                 if time.monotonic() > stall_deadline:
                     raise Transient(f"no chunk data from the broker for {STALL_S:.0f}s")

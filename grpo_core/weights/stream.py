@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Partition, Record, require_partitions, with_retry
+from grpo_core.kafka_io import Partition, Record, poll, require_partitions, with_retry
 from grpo_core.weights.chunks import ChunkAssembler, chunk_consumer, decode_chunk
 from grpo_core.weights.common import (
     IO_BYTES,
@@ -112,7 +112,7 @@ class ChunkStream:
     def _run(self) -> None:
         try:
             while not self._stop:
-                for tp, msgs in self.consumer.poll(timeout_ms=200).items():
+                for tp, msgs in poll(self.consumer, 200).items():
                     for msg in msgs:
                         if msg.key is not None and msg.key.startswith(self.prefix):
                             self._feed(msg)

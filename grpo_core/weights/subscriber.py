@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_core import wire
-from grpo_core.kafka_io import Consumer, Partition, require_partitions, with_retry
+from grpo_core.kafka_io import Consumer, Partition, poll, require_partitions, with_retry
 from grpo_core.weights import WeightFetcher, WeightFetchError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class WeightSubscriber:
 
     def poll(self, timeout_ms: int = 0) -> None:
         """Read new announcements (non-blocking by default); remember the newest one for our run."""
-        for msgs in self.consumer.poll(timeout_ms=timeout_ms).values():
+        for msgs in poll(self.consumer, timeout_ms).values():
             for msg in msgs:
                 try:
                     ann = wire.decode(msg.value, wire.WeightsAnnouncement)

@@ -31,6 +31,7 @@ from kafka.structs import OffsetAndMetadata
 
 from grpo_core import kafka_patches, wire
 from grpo_core.config import KafkaConfig
+from grpo_core.retry import backoff_delay as retry_delay
 from grpo_core.retry import retry
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,41 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
 
 
 _last_poll_warning = 0.0
+OUTAGE_S = 3600.0  # how long a send waits for its ack through a broker that does not answer, then raises
+ACK_WAIT_S = 30.0  # one wait on a send's future before saying that it still waits
+
+
+def acked(future: SendFuture, resend: Callable[[], SendFuture], what: str, outage_s: float = OUTAGE_S) -> Any:
+    """Wait for a send's ack through a broker outage: a broker restart is a pause for whoever waits on a send.
+
+    While the future is pending, keep waiting (the client retries inside ``delivery_timeout_ms``); when the
+    client gave up on it (a failed future, e.g. the delivery timeout during a long outage), send it again after
+    a backoff. A re-send can duplicate a record whose ack was lost: every topic is read by a deduplicating
+    consumer (group ids, dead letters keyed by their source, announcements compacted per run). Errors that are
+    not retriable, or an outage longer than ``outage_s``, raise."""
+    deadline, attempt = time.monotonic() + outage_s, 0
+    while True:
+        try:
+            return future.get(timeout=ACK_WAIT_S)
+        except KafkaError as exc:
+            if not exc.retriable or time.monotonic() > deadline:
+                raise
+            if future.is_done:  # the client gave up on this one: ours to send again
+                attempt += 1
+                delay = retry_delay(attempt, 1.0)
+                log.warning("%s: send failed (%s: %s); sending again in %.0fs", what, type(exc).__name__, exc, delay)
+                time.sleep(delay)
+                future = resend()
+            else:
+                log.warning("%s: no ack after %.0fs (%s); still waiting", what, ACK_WAIT_S, type(exc).__name__)
+
+
+def send_acked(producer: KafkaProducer, topic: str, value: bytes, key: bytes | None, what: str) -> Any:
+    """Send one record and wait for its ack (through an outage: :func:`acked`)."""
+    def send() -> SendFuture:
+        return producer.send(topic, key=key, value=value)
+
+    return acked(send(), send, what)
 
 
 def poll(consumer: KafkaConsumer, timeout_ms: int,
@@ -230,7 +266,7 @@ class DeadLetters:
         """Publish one dead letter and wait for the broker's ack: the caller commits past it afterwards."""
         letter = self.letter(msg, reason)
         key = dead_letter_key(msg.topic, msg.partition, msg.offset)
-        self.producer.send(self.topic, key=key, value=wire.encode(letter)).get(timeout=60)
+        send_acked(self.producer, self.topic, wire.encode(letter), key, f"{self.service}: dead letter")
         log.warning("%s: dead-lettered %s[%d]@%d: %s", self.service, msg.topic, msg.partition, msg.offset, reason)
         self.on_dead(reason.split(":", 1)[0])
 

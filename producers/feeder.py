@@ -19,6 +19,7 @@ position in a different schedule would silently skip or repeat prompts, so a mis
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,16 @@ from grpo_core.config import (
     require,
 )
 from grpo_core.contract import PipelineContract
-from grpo_core.kafka_io import BrokerError, consumer_lag, make_admin, make_producer, partitions_of, with_retry
+from grpo_core.kafka_io import (
+    BrokerError,
+    SendFuture,
+    acked,
+    consumer_lag,
+    make_admin,
+    make_producer,
+    partitions_of,
+    with_retry,
+)
 from grpo_core.process import serve
 from grpo_producers.datasets import (
     LOADERS,
@@ -249,7 +260,7 @@ class Feeder:
             self.close()
             raise ConfigError(f"topics.prompts.name: topic {self.topic!r} is not available ({exc}); "
                               "create the plan with `grpo-stream topics create`") from None
-        self.pending: list[Any] = []
+        self.pending: list[tuple[SendFuture, Callable[[], SendFuture]]] = []
         self.sent = 0
         self.stopping = False
         self._next_send_at = 0.0
@@ -314,17 +325,16 @@ class Feeder:
     def _send(self, item: DatasetItem, sample_round: int) -> None:
         task = wire.PromptTask(prompt_id=item.prompt_id, prompt=item.prompt, task=item.task, epoch=self.epoch,
                                sample_round=sample_round, metadata=item.metadata, created_at=wire.now())
-        future = self.producer.send(self.topic, key=item.prompt_id.encode(), value=wire.encode(task))
-        future.add_callback(lambda _meta: self.metrics.published.inc())
-        self.pending.append(future)
+        send = functools.partial(self.producer.send, self.topic, key=item.prompt_id.encode(), value=wire.encode(task))
+        self.pending.append((send(), send))
         self.sent += 1
 
     def checkpoint(self) -> None:
         """Wait until the broker acknowledged everything sent, then save the cursor (that order is the point)."""
         if self.pending:
-            self.producer.flush()
-            for future in self.pending:
-                future.get(timeout=self.cfg.kafka.request_timeout_ms / 1000)  # raises if the send failed
+            for future, send in self.pending:  # through a broker outage: a pause, then the state is saved
+                acked(future, send, f"feeder: {self.topic}")
+                self.metrics.published.inc()
             self.state.published_total += len(self.pending)
             self.pending.clear()
         self.state.epoch, self.state.position = self.epoch, self.position

@@ -10,6 +10,7 @@ them: a prompt is never lost; its completions may be published twice, identified
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from grpo_core.kafka_io import (
     DeadLetters,
     Partition,
     Record,
+    acked,
     assigned_lag,
     commit_processed,
     make_admin,
@@ -212,10 +214,11 @@ class Producer:
         for job, group in zip(jobs, samples, strict=True):
             for index, sample in enumerate(group):
                 record = self._completion(job, index, sample, version, attempt, gen_s)
-                futures.append(self.sender.send(self.cfg.pipeline.topic("completions"), key=job.task.group_id.encode(),
-                                                value=wire.encode(record)))
-        for future in futures:
-            future.get(timeout=120)  # every completion acknowledged before the prompt offsets are committed
+                send = functools.partial(self.sender.send, self.cfg.pipeline.topic("completions"),
+                                         key=job.task.group_id.encode(), value=wire.encode(record))
+                futures.append((send(), send))
+        for future, send in futures:  # every completion acknowledged before the prompt offsets are committed
+            acked(future, send, f"producer: completions of {self.cfg.pipeline.topic('prompts')}")
         if swap is not None:
             self.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
         tokens = sum(len(s.token_ids) for group in samples for s in group)

@@ -321,3 +321,31 @@ def test_poll_through_a_broker_that_does_not_answer() -> None:
     assert poll(Flaky(KafkaConnectionError("111 ECONNREFUSED")), 100) == {}  # type: ignore[arg-type]
     with pytest.raises(UnknownMemberIdError):
         poll(Flaky(UnknownMemberIdError()), 100)  # type: ignore[arg-type]
+
+
+def test_acked_waits_on_a_pending_send_and_resends_a_failed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+
+    from grpo_core import kafka_io
+
+    class Future:
+        def __init__(self, outcomes: list[object]) -> None:
+            self.outcomes, self.is_done = outcomes, False
+
+        def get(self, timeout: float) -> object:
+            out = self.outcomes.pop(0)
+            if isinstance(out, Exception):
+                self.is_done = not isinstance(out, KafkaTimeoutError) or out.args == ("failed",)
+                raise out
+            return out
+
+    monkeypatch.setattr(kafka_io, "retry_delay", lambda attempt, backoff_s: 0.0)
+    # Still pending twice (the wait timed out), then acked: the same future, nothing sent again.
+    resent: list[int] = []
+    future = Future([KafkaTimeoutError("wait"), KafkaTimeoutError("wait"), "meta"])
+    assert kafka_io.acked(future, lambda: resent.append(1) or Future(["x"]), "t") == "meta" and not resent  # type: ignore
+    # Failed by the client (delivery timeout): sent again, and the new send's ack is returned.
+    failed = Future([KafkaTimeoutError("failed")])
+    assert kafka_io.acked(failed, lambda: Future(["again"]), "t") == "again"  # type: ignore[arg-type]
+    with pytest.raises(MessageSizeTooLargeError):  # not retriable: raises at once
+        kafka_io.acked(Future([MessageSizeTooLargeError()]), lambda: Future(["x"]), "t")  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import yaml
 from grpo_core import wire
 from grpo_core.config import KafkaConfig, load_config, to_dict
 from grpo_core.contract import PipelineContract
-from grpo_core.kafka_io import make_admin, make_consumer, make_producer
+from grpo_core.kafka_io import make_admin, make_consumer, make_producer, read_topic, send_acked
 from grpo_core.topics import ensure_topics
 from grpo_producers.config import ProducerConfig
 from grpo_producers.service import Producer
@@ -109,3 +109,30 @@ def test_producer_and_verifier_survive_a_broker_restart(broker: LocalBroker, tmp
             s.thread.join(timeout=60)
         producer.close()
         verifier.close()
+
+
+def test_a_send_waits_through_an_outage_longer_than_the_clients_delivery_timeout(broker: LocalBroker) -> None:
+    """What every role's publish goes through (completions, groups, dead letters, announcements, prompts): the
+    client gives up on a record after delivery_timeout_ms (2 minutes by default; 3 s here) and the send used to
+    raise then, killing the role; now it is sent again once the broker is back."""
+    kafka = KafkaConfig(bootstrap=broker.bootstrap)
+    plan = PipelineContract(run="acked", group_size=G)
+    admin = make_admin(kafka)
+    ensure_topics(admin, plan)
+    admin.close()
+    producer = make_producer(kafka, "test", delivery_timeout_ms=3000, request_timeout_ms=1000, linger_ms=0)
+    outcome: list[object] = []
+    try:
+        broker.down()
+        sender = threading.Thread(target=lambda: outcome.append(
+            send_acked(producer, plan.topic("dlq"), b"through the outage", b"k", "test")), daemon=True)
+        sender.start()
+        time.sleep(9)  # three delivery timeouts
+        assert sender.is_alive() and not outcome, "the send gave up during the outage"
+        broker.up()
+        sender.join(timeout=120)
+        assert outcome and not sender.is_alive()
+    finally:
+        producer.close()
+    values = [m.value for m in read_topic(kafka, plan.topic("dlq"))]
+    assert b"through the outage" in values

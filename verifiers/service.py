@@ -8,6 +8,7 @@ watermark (``GroupAssembler.watermark``), the only offsets this service commits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -20,6 +21,7 @@ from grpo_core.kafka_io import (
     DeadLetters,
     Partition,
     RebalanceListener,
+    acked,
     assigned_lag,
     commit_processed,
     make_consumer,
@@ -153,11 +155,12 @@ class Verifier:
                                                  f"more than the groups topic takes ({self.group_limit})")
                 self.assembler.done(r.partition, r.group_id)
                 continue
-            futures.append((r, self.sender.send(self.cfg.pipeline.topic("groups"), key=r.group_id.encode(),
-                                                value=value)))
+            send = functools.partial(self.sender.send, self.cfg.pipeline.topic("groups"), key=r.group_id.encode(),
+                                     value=value)
+            futures.append((r, send(), send))
             self._observe(record, scored)
-        for r, future in futures:
-            future.get(timeout=120)  # acked before the group counts as done (and its offsets may be committed)
+        for r, future, send in futures:  # acked before the group counts as done (and its offsets may be committed)
+            acked(future, send, f"verifier: group {r.group_id}")
             self.assembler.done(r.partition, r.group_id)
         self.metrics.groups_per_s.set(len(futures) / max(time.perf_counter() - t0, 1e-9))
 

@@ -12,15 +12,15 @@ from typing import Any
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Partition, Record, make_consumer, poll
-from grpo_core.weights.common import SEND_TIMEOUT_S, WeightFetchError
+from grpo_core.kafka_io import Partition, Record, make_consumer, poll, send_acked
+from grpo_core.weights.common import WeightFetchError
 
 log = logging.getLogger("grpo_core.weights")
 
 
 def announce(producer: Any, topic: str, ann: wire.WeightsAnnouncement) -> None:
     """Send ``ann`` keyed by its run and wait for the broker's ack (acks=all): a returned call means durable."""
-    producer.send(topic, key=ann.run.encode(), value=wire.encode(ann)).get(timeout=SEND_TIMEOUT_S)
+    send_acked(producer, topic, wire.encode(ann), ann.run.encode(), f"announce {ann.run} v{ann.version}")
     log.info("weights: announced %s v%d at %s", ann.run, ann.version, ann.location)
 
 

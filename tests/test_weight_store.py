@@ -459,3 +459,26 @@ def test_swap_bench_measures_every_store(kafka_cfg: KafkaConfig, tmp_path: Path,
         assert set(admin.list_topics()) <= before  # and so are the bench's topics
     finally:
         admin.close()
+
+
+def test_a_publish_the_broker_dropped_is_uploaded_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kafka store's upload fails when the broker is gone longer than the client's delivery timeout; the
+    publisher waits and uploads the version again (receivers restart its assembly at chunk 0)."""
+    from kafka.errors import KafkaTimeoutError
+
+    import grpo_core.retry
+
+    monkeypatch.setattr(grpo_core.retry.time, "sleep", lambda s: None)
+    pub = _pub(_fs_cfg(tmp_path), KafkaConfig(), Topics(), "run-r")
+    real, calls = pub.store.publish, []
+
+    def flaky(*args: object) -> wire.WeightsAnnouncement:
+        calls.append(1)
+        if len(calls) < 3:
+            raise KafkaTimeoutError("Batch for weight-data-0 expired")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pub.store, "publish", flaky)
+    _blob(tmp_path / "w.bin", MiB, seed=0)
+    ann = pub.publish(5, {MODEL_FILE: tmp_path / "w.bin"})
+    assert len(calls) == 3 and ann.version == 5 and ann.sha256 == sha256_file(tmp_path / "w.bin")

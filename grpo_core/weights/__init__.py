@@ -74,6 +74,9 @@ def _kafka(cfg: WeightStoreConfig, kafka: KafkaConfig, weight_data_topic: str, *
 STORES: dict[StoreKind, Any] = {"fs": _fs, "kafka": _kafka}
 
 
+PUBLISH_ATTEMPTS = 30  # uploads of one version through a broker outage (each fails after the delivery timeout)
+
+
 class WeightPublisher:
     """The learner's side: write a version to the store of ``cfg.kind``, then announce it.
 
@@ -107,7 +110,11 @@ class WeightPublisher:
             if not NAME_RE.fullmatch(name):
                 raise ValueError(f"files: {name!r} is not a plain file name")
         t0 = time.perf_counter()
-        ann = self.store.publish(self.run, version, {k: Path(v) for k, v in files.items()})
+        paths = {k: Path(v) for k, v in files.items()}
+        # Through a broker outage longer than the client's delivery timeout the kafka store's upload fails; a
+        # whole new upload is safe (receivers restart a version's assembly at its chunk 0), so wait and redo it.
+        ann = retry(lambda: self.store.publish(self.run, version, paths), f"weights: publish v{version}",
+                    attempts=PUBLISH_ATTEMPTS, backoff_s=2.0, transient=(BrokerError,))
         ann.contract = self.contract
         dt = time.perf_counter() - t0
         log.info("weights: published %s v%d (%d bytes, %s) in %.2fs (%.0f MB/s)", self.run, version, ann.size_bytes,

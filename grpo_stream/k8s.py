@@ -132,7 +132,7 @@ def render_configs_kustomization(names: Sequence[str]) -> str:
 def expected_files(root: Path, overrides: Sequence[str] = ()) -> dict[Path, str]:
     """Every generated file (path relative to ``root``) and the content it must have."""
     out: dict[Path, str] = {TOPICS_OUT: render_kafka_topics(load_plan(root / TOPICS_CONFIG, overrides))}
-    # Role configs only: run configs (demo.yaml, chaos.yaml, configs/paper/) describe a whole local run, not one workload.
+    # Role configs only: run configs (RUN_CONFIGS, configs/paper/) describe a whole local run, not one workload.
     sources = sorted(p for p in (root / CONFIGS_SRC).glob("*.yaml") if p.is_file() and p.name not in RUN_CONFIGS)
     for src in sources:
         out[CONFIGS_OUT / src.name] = src.read_text(encoding="utf-8")

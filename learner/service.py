@@ -8,7 +8,6 @@ repaired at start-up, which re-publishes the checkpoint's weights when the annou
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,11 +20,12 @@ from grpo_core.kafka_io import DeadLetters, assigned_lag, make_consumer, make_pr
 from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.staleness import staleness
-from grpo_core.weights import WeightPublisher, read_announcements
+from grpo_core.weights import MODEL_FILE, WeightPublisher, read_announcements
 from grpo_learner import checkpoint
 from grpo_learner.config import LearnerConfig, ModelConfig
 from grpo_learner.lineage import Lineage
 from grpo_learner.metrics import LearnerMetrics
+from grpo_learner.publish import config_payload, safetensors_payload
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
 from grpo_learner.trainer import DTYPES, StepStats, Trainer
 
@@ -197,10 +197,10 @@ class Learner:
     def publish(self) -> float:
         """Write the current weights to the store and announce them as version = the current step."""
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="grpo-weights-") as tmp:
-            self.trainer.model.save_pretrained(tmp, safe_serialization=True, max_shard_size="1000GB")
-            files = {name: Path(tmp) / name for name in ("model.safetensors", "config.json")}
-            ann = self.publisher.publish(self.step, files)
+        # Serialised straight into the store, hashed as it is written: no temporary file to copy (publish.py).
+        model = self.trainer.model
+        ann = self.publisher.publish(self.step, {MODEL_FILE: safetensors_payload(model),
+                                                 "config.json": config_payload(model)})
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)

@@ -482,3 +482,20 @@ def test_a_publish_the_broker_dropped_is_uploaded_again(tmp_path: Path, monkeypa
     _blob(tmp_path / "w.bin", MiB, seed=0)
     ann = pub.publish(5, {MODEL_FILE: tmp_path / "w.bin"})
     assert len(calls) == 3 and ann.version == 5 and ann.sha256 == sha256_file(tmp_path / "w.bin")
+
+
+def test_publish_bench_reports_both_ways_for_both_stores(kafka_cfg: KafkaConfig, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench producer``'s headline in a short mode: every store and way is measured and the ratio printed."""
+    from grpo_stream.bench import publish
+
+    monkeypatch.setattr(swap, "WEIGHTS", tmp_path)
+    monkeypatch.setattr(swap, "GAP_S", 0.0)
+    publish.report(kafka_cfg, swap.fresh_topics(kafka_cfg), size_mb=20)
+    out = capsys.readouterr().out
+    rows = [line.split(":")[0].split() for line in out.splitlines() if " s/GB " in line]
+    assert rows == [["fs", "via", "file"], ["fs", "direct"], ["kafka", "stream", "via", "file"],
+                    ["kafka", "stream", "direct"]], out
+    assert out.count("direct / via file = ") == 2 and "inf" not in out
+    assert list(tmp_path.iterdir()) == []

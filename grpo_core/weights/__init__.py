@@ -40,9 +40,10 @@ from grpo_core.weights.common import (
 from grpo_core.weights.config import FsStoreConfig, KafkaStoreConfig, StoreKind, WeightStoreConfig
 from grpo_core.weights.fs import FsStore
 from grpo_core.weights.kafka import KafkaStore
+from grpo_core.weights.payload import Payload
 from grpo_core.weights.stream import ChunkStream
 
-__all__ = ["MODEL_FILE", "STORES", "ChunkStream", "FsStoreConfig", "KafkaStoreConfig", "WeightFetchError",
+__all__ = ["MODEL_FILE", "STORES", "ChunkStream", "FsStoreConfig", "KafkaStoreConfig", "Payload", "WeightFetchError",
            "WeightFetcher", "WeightPublisher", "WeightStore", "WeightStoreConfig", "announce", "check_run_name",
            "latest_announcement", "read_announcements", "sha256_file", "version_dir_name"]
 
@@ -54,7 +55,7 @@ class WeightStore(Protocol):
 
     kind: str
 
-    def publish(self, run: str, version: int, files: Mapping[str, Path]) -> wire.WeightsAnnouncement: ...
+    def publish(self, run: str, version: int, files: Mapping[str, Path | Payload]) -> wire.WeightsAnnouncement: ...
     def fetch(self, ann: wire.WeightsAnnouncement) -> Path: ...
     def gc(self, run: str, protect: str) -> list[str]: ...
     def close(self) -> None: ...
@@ -99,9 +100,10 @@ class WeightPublisher:
             self._producer = make_producer(self.kafka, "weights", compression_type=None)
         return self._producer
 
-    def publish(self, version: int, files: Mapping[str, str | os.PathLike[str]]) -> wire.WeightsAnnouncement:
-        """Store ``files`` (name -> source path; ``model.safetensors`` required, e.g. ``config.json`` optional)
-        as ``version`` and return the announcement to pass to :meth:`announce`."""
+    def publish(self, version: int,
+                files: Mapping[str, str | os.PathLike[str] | Payload]) -> wire.WeightsAnnouncement:
+        """Store ``files`` (name -> source path or :class:`Payload`; ``model.safetensors`` required, e.g.
+        ``config.json`` optional) as ``version`` and return the announcement to pass to :meth:`announce`."""
         if version < 0:
             raise ValueError(f"version: {version} < 0")
         if MODEL_FILE not in files:
@@ -110,7 +112,7 @@ class WeightPublisher:
             if not NAME_RE.fullmatch(name):
                 raise ValueError(f"files: {name!r} is not a plain file name")
         t0 = time.perf_counter()
-        paths = {k: Path(v) for k, v in files.items()}
+        paths = {k: v if isinstance(v, Payload) else Path(v) for k, v in files.items()}
         # Through a broker outage longer than the client's delivery timeout the kafka store's upload fails; a
         # whole new upload is safe (receivers restart a version's assembly at its chunk 0), so wait and redo it.
         ann = retry(lambda: self.store.publish(self.run, version, paths), f"weights: publish v{version}",

@@ -36,6 +36,7 @@ from grpo_core.weights.common import (
     version_dir_name,
 )
 from grpo_core.weights.config import FsStoreConfig
+from grpo_core.weights.payload import Payload, open_source
 
 
 class FsStore:
@@ -46,7 +47,7 @@ class FsStore:
     def __init__(self, cfg: FsStoreConfig) -> None:
         self.cfg = cfg
 
-    def publish(self, run: str, version: int, files: Mapping[str, Path]) -> wire.WeightsAnnouncement:
+    def publish(self, run: str, version: int, files: Mapping[str, Path | Payload]) -> wire.WeightsAnnouncement:
         run_dir = Path(self.cfg.root) / run
         run_dir.mkdir(parents=True, exist_ok=True)
         final = run_dir / version_dir_name(version)
@@ -56,7 +57,8 @@ class FsStore:
             digest, size = "", 0
             for name, src in files.items():
                 hasher = hashlib.sha256()
-                with open(src, "rb", buffering=0) as fin, open(tmp / name, "wb", buffering=0) as fout:
+                fin, _ = open_source(src)
+                with fin, open(tmp / name, "wb", buffering=0) as fout:
                     n = pump(fin, hasher, fout)
                     os.fsync(fout.fileno())
                 if name == MODEL_FILE:

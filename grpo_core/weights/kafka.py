@@ -44,6 +44,7 @@ from grpo_core.weights.common import (
     version_dir_name,
 )
 from grpo_core.weights.config import KafkaStoreConfig
+from grpo_core.weights.payload import Payload, open_source
 from grpo_core.weights.stream import ChunkStream
 
 log = logging.getLogger("grpo_core.weights")
@@ -75,13 +76,13 @@ class KafkaStore:
 
     # -- publishing
 
-    def publish(self, run: str, version: int, files: Mapping[str, Path]) -> wire.WeightsAnnouncement:
+    def publish(self, run: str, version: int, files: Mapping[str, Path | Payload]) -> wire.WeightsAnnouncement:
         if len(files) > 1:
             log.info("weights: kafka store ships only %s; not sending %s", MODEL_FILE,
                      sorted(set(files) - {MODEL_FILE}))
         return self._publish(run, version, files[MODEL_FILE])
 
-    def _publish(self, run: str, version: int, src: Path) -> wire.WeightsAnnouncement:
+    def _publish(self, run: str, version: int, src: Path | Payload) -> wire.WeightsAnnouncement:
         topic, key, chunk = self.topic, f"{run}/{version}".encode(), self.cfg.chunk_bytes
         hasher = hashlib.sha256()
         # kafka-python 3 has no buffer_memory bound: cap the unacknowledged chunks ourselves so a 10 GB file
@@ -89,8 +90,8 @@ class KafkaStore:
         window = max(2, _INFLIGHT_BYTES // chunk)
         pending: deque[SendFuture] = deque()
         first: Any = None
-        with open(src, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        f, size = open_source(src)
+        with f:
             num_chunks = max(1, -(-size // chunk))
             for index in range(num_chunks):
                 data = _read_exact(f, min(chunk, size - index * chunk), src)
@@ -102,7 +103,7 @@ class KafkaStore:
                     meta = pending.popleft().get(timeout=SEND_TIMEOUT_S)  # raises the send error, if any
                     first = first or meta
             if f.read(1):
-                raise OSError(f"{src}: file grew while it was being published")
+                raise OSError(f"{src}: grew while it was being published")
         self.producer.flush(timeout=SEND_TIMEOUT_S)
         for fut in pending:
             fut.get(timeout=SEND_TIMEOUT_S)

@@ -1,5 +1,7 @@
-"""``grpo-stream bench producer``: the producer's two costs, measured in one run on this machine.
+"""``grpo-stream bench producer``: the producer's costs, measured in one run on this machine.
 
+0. The headline: publish start -> new version in use from the learner's state dict, fs and kafka stream, the
+   old way (a temporary file handed to the store) beside the direct one (:mod:`grpo_stream.bench.publish`).
 1. Generation throughput (completions/s, tokens/s) of the ``hf`` and ``vllm`` backends on the tiny model and on
    the ~50M-parameter model: one warm-up ``generate`` call, then one timed call of ``gen_prompts`` prompts x
    ``group_size`` samples x up to ``max_tokens`` tokens (EOS may end a sample early; the actual tokens are
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from grpo_core.config import KafkaConfig
 from grpo_producers.backends.base import Backend, BackendConfig, SamplingConfig, make_backend
-from grpo_stream.bench.swap import measure_swaps
+from grpo_stream.bench import publish, temporary_broker
+from grpo_stream.bench.swap import fresh_topics, measure_swaps
 from grpo_stream.tiny_model import build_tiny_model
 
 MODELS = Path(".cache") / "bench-models"
@@ -68,10 +72,18 @@ def measure_generation(preset: str, kind: str, gen_prompts: int, group_size: int
           f"load_weights({size_mb:.0f} MB) {load_ms:7.1f} ms{extra}", flush=True)
 
 
+def measure_publish(bootstrap: str | None, size_mb: int) -> None:
+    """The headline: publish start -> in use from the learner's state dict (``grpo_stream.bench.publish``)."""
+    with temporary_broker(bootstrap) as addr:
+        kafka = KafkaConfig(bootstrap=addr)
+        publish.report(kafka, fresh_topics(kafka), size_mb)
+
+
 def main(bootstrap: str | None = None, sizes_mb: list[int] | None = None, gen_prompts: int = 16,
          group_size: int = 8, max_tokens: int = 32) -> int:
     sizes_mb = [10, 100, 1000] if sizes_mb is None else sizes_mb
     t_start = time.perf_counter()
+    measure_publish(bootstrap, max(sizes_mb))
     print(f"generation: {gen_prompts} prompts of {PROMPT_LEN} tokens x {group_size} samples x up to {max_tokens} "
           f"tokens (one warm-up call first):", flush=True)
     for preset in ("tiny", "50m"):

@@ -73,7 +73,8 @@ def _fetcher(cfg: WeightStoreConfig, kafka: KafkaConfig, topics: Topics | None =
 
 
 def _versions(run_dir: Path) -> list[str]:
-    return sorted(p.name for p in run_dir.iterdir())
+    """Everything in a run's directory but the fs store's spare (a retired file kept to be written over)."""
+    return sorted(p.name for p in run_dir.iterdir() if p.name != ".spare-model.safetensors")
 
 
 @pytest.fixture
@@ -499,3 +500,26 @@ def test_publish_bench_reports_both_ways_for_both_stores(kafka_cfg: KafkaConfig,
                     ["kafka", "stream", "direct"]], out
     assert out.count("direct / via file = ") == 2 and "inf" not in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fs_writes_the_next_version_over_the_retired_one(tmp_path: Path) -> None:
+    """The GC keeps the newest retired model file as the spare; the next version is written over it (same inode,
+    page-cache pages reused) and is byte-exact, sizes differing or not."""
+    from grpo_core.weights.fs import SPARE
+
+    cfg = _fs_cfg(tmp_path, keep=2)
+    pub = _pub(cfg, KafkaConfig(), Topics(), "run-s")
+    run_dir = tmp_path / "store" / "run-s"
+    for v, size in ((1, 3 * MiB), (2, 3 * MiB), (3, 2 * MiB)):
+        _blob(tmp_path / f"w{v}.bin", size, seed=v)
+        pub.publish(v, {MODEL_FILE: tmp_path / f"w{v}.bin"})
+    spare = run_dir / SPARE
+    assert spare.exists() and spare.stat().st_size == 3 * MiB  # v1's file, retired when v3 came
+    inode = spare.stat().st_ino
+    data = _blob(tmp_path / "w4.bin", 1 * MiB + 5, seed=4)
+    ann = pub.publish(4, {MODEL_FILE: tmp_path / "w4.bin"})
+    path = run_dir / "v00000004" / MODEL_FILE
+    assert path.stat().st_ino == inode and path.read_bytes() == data  # written over the spare, cut to size
+    assert ann.sha256 == sha256_file(path) and ann.size_bytes == len(data)
+    assert spare.exists() and spare.stat().st_ino != inode  # v2's file is the next spare
+    assert _fetcher(cfg, KafkaConfig()).fetch(ann).read_bytes() == data

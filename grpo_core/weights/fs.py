@@ -13,16 +13,21 @@ the file in place (no copy: the swap budget is < 1 s/GB) and returns its path. G
 ``keep`` versions and never the version just published; a doomed version is first renamed to ``.trash-...`` and
 then deleted, so readers never see half of one. A producer that has the file open keeps reading it (POSIX unlink
 semantics); one that comes too late gets "missing" after the retries and moves on to the newest announcement.
+The model file of the newest version the GC retires is kept as ``.spare-model.safetensors`` and the next version is
+written over it (page-cache pages reused): a reader still on that retired version, ``keep`` versions behind, then
+sees its bytes change, fails the sha256 check and moves on to the newest announcement, as it would after a delete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 from grpo_core import wire
 from grpo_core.fsutil import fsync_dir
@@ -37,6 +42,8 @@ from grpo_core.weights.common import (
 )
 from grpo_core.weights.config import FsStoreConfig
 from grpo_core.weights.payload import Payload, open_source
+
+SPARE = ".spare-" + MODEL_FILE  # a retired version's model file, overwritten by the next publication
 
 
 class FsStore:
@@ -58,8 +65,9 @@ class FsStore:
             for name, src in files.items():
                 hasher = hashlib.sha256()
                 fin, _ = open_source(src)
-                with fin, open(tmp / name, "wb", buffering=0) as fout:
+                with fin, self._open_for_writing(run_dir, tmp / name, name == MODEL_FILE) as fout:
                     n = pump(fin, hasher, fout)
+                    fout.truncate(n)
                     os.fsync(fout.fileno())
                 if name == MODEL_FILE:
                     digest, size = hasher.hexdigest(), n
@@ -76,8 +84,21 @@ class FsStore:
             run=run, version=version, store="fs", location=f"{run}/{final.name}/{MODEL_FILE}",
             sha256=digest, size_bytes=size, published_at=wire.now())
 
+    @staticmethod
+    def _open_for_writing(run_dir: Path, path: Path, model: bool) -> BinaryIO:
+        """The model file is written over the spare (the model file of the version the GC retired last) when
+        there is one: overwriting pages the page cache holds costs 0.1-0.2 s/GB here, a fresh 1 GB file 0.2-2.5 s
+        (page allocation and reclaim under memory pressure)."""
+        spare = run_dir / SPARE
+        if model:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(spare, path)
+                return open(path, "r+b", buffering=0)  # noqa: SIM115 -- the caller closes it
+        return open(path, "wb", buffering=0)  # noqa: SIM115
+
     def gc(self, run: str, protect: str) -> list[str]:
-        return gc_versions(Path(self.cfg.root) / run, self.cfg.keep, protect)
+        run_dir = Path(self.cfg.root) / run
+        return gc_versions(run_dir, self.cfg.keep, protect, rescue=run_dir / SPARE)
 
     def path_of(self, ann: wire.WeightsAnnouncement) -> Path:
         loc = Path(ann.location)

@@ -11,7 +11,8 @@ Two ways to publish, measured in the same run so the ratio is not the machine's 
 
 The learner is a child process of its own (as deployed); this process plays the producer: it follows the
 announcements and fetches + verifies the version (the in-memory load is part 1's ``load_weights``). Each way is
-published twice, the second one reported (the steady state: the stream has its spare file ready).
+published ``keep + 2`` times and the last one reported: the steady state of a learner, where the fs store writes
+over a retired version's file and the producers' stream has its spare file ready.
 Target: < 2 s/GB publish start -> in use, for fs and the kafka stream.
 """
 
@@ -109,7 +110,7 @@ def measure(kind: str, kafka: KafkaConfig, topics: PipelineContract, size_mb: in
     try:
         swap._receive(conn)
         for mode in MODES:
-            for _ in range(2):
+            for _ in range(cfg.fs.keep + 2):  # the steady state: the fs store has a retired version to write over
                 time.sleep(swap.GAP_S)  # the training steps between two publications
                 conn.send(mode)
                 swapped = swap._swap(subscriber)

@@ -126,6 +126,26 @@ class Completion(Record):
     epoch: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # The version span of a completion whose generation continued across a weight swap (partial rollout):
+    # ``policy_version`` is the *oldest* version (the one staleness is measured from), and token
+    # ``later_starts[k]`` onwards came from ``later_versions[k]``. Each token's behaviour logprob is from the
+    # weights that sampled it, so per-token ratios stay exact. Empty: one version for every token. Added
+    # without a schema bump (omitted while empty): a reader that ignores them still measures staleness from the
+    # oldest version and uses the right logprobs; it only cannot show the span.
+    later_versions: list[int] = field(default_factory=list, metadata={"omit_empty": True})
+    later_starts: list[int] = field(default_factory=list, metadata={"omit_empty": True})
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version that produced any of its tokens."""
+        return self.later_versions[-1] if self.later_versions else self.policy_version
+
+    def token_versions(self) -> np.ndarray:
+        """The version of each completion token (int64 [n])."""
+        out = np.full(len(self.completion_token_ids), self.policy_version, dtype=np.int64)
+        for version, start in zip(self.later_versions, self.later_starts, strict=True):
+            out[start:] = version
+        return out
 
     def validate(self) -> None:
         # Plain ifs, not _require(f"..."): this runs per completion on the decode hot path.
@@ -142,6 +162,17 @@ class Completion(Record):
             raise WireError(f"behaviour_logprobs: {n_lp} values for {n_tok} completion tokens")
         if n_lp and self.behaviour_logprobs.max() > _LOGPROB_SLACK:
             raise WireError("behaviour_logprobs: values > 0")
+        if self.later_versions or self.later_starts:
+            self._validate_span(n_tok)
+
+    def _validate_span(self, n_tok: int) -> None:
+        versions, starts = self.later_versions, self.later_starts
+        if len(versions) != len(starts):
+            raise WireError(f"later_starts: {len(starts)} values for {len(versions)} later_versions")
+        if any(b <= a for a, b in zip([self.policy_version, *versions], versions, strict=False)):
+            raise WireError(f"later_versions: {versions[:8]} must increase from policy_version {self.policy_version}")
+        if any(b <= a for a, b in zip([0, *starts], starts, strict=False)) or starts[-1] >= n_tok:
+            raise WireError(f"later_starts: {starts[:8]} must increase within (0, {n_tok}) completion tokens")
 
 
 @dataclass(slots=True, eq=False)
@@ -190,6 +221,11 @@ class ScoredGroup(Record):
                 raise WireError(f"completions: index {c.index} has version {c.policy_version}, "
                                 f"group has {self.policy_version} (a group is never split across versions)")
             seen.add(c.index)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version behind any member's tokens (``policy_version`` is the oldest: they all start there)."""
+        return max((c.newest_version for c in self.completions), default=self.policy_version)
 
     def valid_part(self) -> ScoredGroup:
         """The group without its ``failed`` members (in memory: the learner trains this; never re-encoded)."""

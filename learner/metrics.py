@@ -27,6 +27,9 @@ class LearnerMetrics:
         self.gauges = {k: Gauge(p + k, f"Last step's {k}", registry=r) for k in STEP_GAUGES}
         self.staleness = Histogram(p + "staleness_steps", "Staleness of trained groups (learner steps)",
                                    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self.span = Histogram(p + "version_span_steps", "Newest minus oldest version behind a trained group's "
+                              "tokens (> 0 after an in-flight weight swap)", buckets=(0, 1, 2, 4, 8, 16),
+                              registry=r)
         self.trained = Counter(p + "groups_trained_total", "Groups trained", registry=r)
         self.dropped = Counter(p + "groups_dropped_total", "Groups not trained, by reason", ["reason"], registry=r)
         self.tokens = Counter(p + "tokens_total", "Completion tokens trained", registry=r)
@@ -42,7 +45,8 @@ class LearnerMetrics:
         self._jsonl = jsonl_path.open("a", encoding="utf-8") if jsonl_path else None
 
     def observe_step(self, step: int, metrics: dict[str, float], timings: dict[str, float],
-                     staleness: list[int], dropped: list[str], tokens: int, skipped: int, lag: int) -> None:
+                     staleness: list[int], dropped: list[str], tokens: int, skipped: int, lag: int,
+                     spans: list[int] | None = None) -> None:
         self.steps.inc()
         self.step.set(step)
         for key, gauge in self.gauges.items():
@@ -50,6 +54,8 @@ class LearnerMetrics:
                 gauge.set(metrics[key])
         for s in staleness:
             self.staleness.observe(s)
+        for s in spans or ():
+            self.span.observe(s)
         self.trained.inc(len(staleness))
         for reason in dropped:
             self.dropped.labels(reason=reason.split(":", 1)[0]).inc()
@@ -62,7 +68,8 @@ class LearnerMetrics:
         self.skipped.inc(skipped)
         self.lag.set(lag)
         self._write_jsonl({"step": step, "time": time.time(), **metrics, "timings": timings, "staleness": staleness,
-                           "dropped": dropped, "tokens": tokens, "skipped_updates": skipped, "lag": lag})
+                           "version_span": spans or [], "dropped": dropped, "tokens": tokens,
+                           "skipped_updates": skipped, "lag": lag})
 
     def observe_publish(self, version: int, size_bytes: int) -> None:
         self.version.set(version)

@@ -154,6 +154,7 @@ class Learner:
         self.metrics.observe_step(
             self.step, stats.metrics, stats.timings,
             staleness=[staleness(trained_at, i.group.policy_version) for i in pick.trained],
+            spans=[i.group.newest_version - i.group.policy_version for i in pick.trained],
             dropped=[i.reason for i in pick.dropped], tokens=stats.tokens, skipped=stats.skipped_updates,
             lag=self._lag())
         log.info("step %d: reward %.3f loss %.4f kl %.4f groups %d dropped %d wait %.2fs", self.step,

@@ -189,8 +189,8 @@ class GroupSource:
     def _invalid(self, g: wire.ScoredGroup, step: int) -> str:
         """Why a decodable group still cannot be trained (it then goes to the dlq), or ''."""
         r = self.rules
-        if from_the_future(g.policy_version, step, self.newest_announced):
-            return (f"future_version: v{g.policy_version} was never announced (newest v{self.newest_announced}, "
+        if from_the_future(g.newest_version, step, self.newest_announced):
+            return (f"future_version: v{g.newest_version} was never announced (newest v{self.newest_announced}, "
                     f"learner step {step})")
         if g.group_size != r.group_size:
             return (f"wrong_group_size: the group says G={g.group_size}, the pipeline contract "
@@ -253,8 +253,9 @@ def lineage_entries(pick: Pick, step: int) -> tuple[list[dict], list[dict]]:
         base = {"partition": item.partition, "offset": item.offset}
         if g is None:
             return base | ({"group_id": item.group_id} if item.group_id else {})
+        span = {"newest_version": g.newest_version} if g.newest_version != g.policy_version else {}
         return base | {"group_id": g.group_id, "version": g.policy_version,
-                       "staleness": staleness(step, g.policy_version)} | (
+                       "staleness": staleness(step, g.policy_version)} | span | (
                            {"reward_failed": item.failed} if item.failed else {})
 
     trained = [entry(i) for i in pick.trained]

@@ -101,3 +101,27 @@ def test_failed_rewards_leave_the_group_or_drop_it(source: Callable) -> None:
     trained, dropped = lineage_entries(pick, 0)
     assert trained[0]["reward_failed"] == 2 and "reward_failed" not in trained[1]
     assert dropped[0] | {"reward_failed": 3, "reason": "reward_failed"} == dropped[0]
+
+
+def spanned(group: wire.ScoredGroup, later: list[int]) -> wire.ScoredGroup:
+    """The group as partial rollout makes it: every member continued under ``later`` versions from token 1."""
+    members = [dataclasses.replace(c, later_versions=later, later_starts=list(range(1, len(later) + 1)))
+               for c in group.completions]
+    return dataclasses.replace(group, completions=members)
+
+
+def test_a_spanning_group_is_as_stale_as_its_oldest_version(source: Callable) -> None:
+    """Staleness is measured from the oldest version behind a group's tokens; the lineage shows the newest; a
+    newest version that was never announced is from the future like any other."""
+    rng = np.random.default_rng(4)
+    ok = spanned(synthetic_group("s0@e0r0", 2, rng), [3])
+    future = spanned(synthetic_group("s1@e0r0", 2, rng), [3, 99])
+    plain = synthetic_group("s2@e0r0", 4, rng)
+    src = source([ok, future, plain], 2)
+    src.newest_announced = 4
+    pick = src.next_batch(4, 2, _stop_after(50), 100)
+    assert pick is not None and [i.group.group_id for i in pick.trained] == ["s0@e0r0", "s2@e0r0"]
+    assert pick.dropped[0].reason.startswith("future_version: v99 was never announced")
+    trained, _ = lineage_entries(pick, 4)
+    assert (trained[0]["version"], trained[0]["newest_version"], trained[0]["staleness"]) == (2, 3, 2)
+    assert "newest_version" not in trained[1]

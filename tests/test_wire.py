@@ -634,6 +634,23 @@ def test_group_partial_but_empty_or_oversized() -> None:
     assert_rejected(body, "5 members for group_size 4")
 
 
+def test_a_completion_carries_the_versions_of_its_tokens() -> None:
+    """Partial rollout: tokens 0-1 from v3, 2-5 from v5, 6-7 from v6; the span is omitted when there is none."""
+    plain = make_completion("g@e0r0", 0, 4, tokens=8, version=3)
+    assert "later_versions" not in msgpack.unpackb(wire.encode(plain), raw=False) and plain.newest_version == 3
+    spanned = dataclasses.replace(plain, later_versions=[5, 6], later_starts=[2, 6])
+    back = wire.decode(wire.encode(spanned), wire.Completion)
+    assert (back.policy_version, back.newest_version, back.later_starts) == (3, 6, [2, 6])
+    assert back.token_versions().tolist() == [3, 3, 5, 5, 5, 5, 6, 6]
+    for bad, fragment in (({"later_versions": [3], "later_starts": [2]}, "must increase from policy_version"),
+                          ({"later_versions": [5, 4], "later_starts": [2, 3]}, "must increase from policy_version"),
+                          ({"later_versions": [5], "later_starts": [0]}, "within \\(0, 8\\)"),
+                          ({"later_versions": [5], "later_starts": [8]}, "within \\(0, 8\\)"),
+                          ({"later_versions": [5, 6], "later_starts": [2]}, "1 values for 2")):
+        with pytest.raises(wire.WireError, match=fragment):
+            wire.encode(dataclasses.replace(plain, **bad))
+
+
 def test_failed_members_travel_only_when_there_are_some() -> None:
     """``failed`` was added without a schema bump: left out while empty, so records without failures are the same
     bytes a reader predating it accepts, and its records still decode here."""

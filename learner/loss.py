@@ -12,7 +12,8 @@ Three policies meet in an off-policy, streaming learner (notation of Mroueh et a
 Each variant turns these into a per-token objective term (broadcast to tokens for sequence-level variants);
 an aggregation reduces the terms to a scalar, and ``loss = -objective + beta * KL`` (eq. 7). Variants,
 aggregations and importance-sampling corrections are looked up in ``Literal``-keyed tables, so adding one
-means writing one small function and one table entry.
+means writing one small function and one table entry (the aggregations, corrections and the KL estimator
+are in ``grpo_learner.loss_terms``).
 """
 
 from __future__ import annotations
@@ -25,16 +26,9 @@ import torch
 from torch import Tensor
 
 from grpo_core.config import opt, require
+from grpo_learner.loss_terms import AGGREGATIONS, CORRECTIONS, Aggregation, ISCorrection, k3, log_ratio
 
-Variant = Literal["grpo_offpolicy_approx", "grpo_offpolicy_exact", "gspo", "decoupled_ppo"]
-Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
-ISCorrection = Literal["tis", "mis"]
-
-# Log-ratios are clamped before exp() so that a broken logprob (e.g. a -inf placeholder from the serving
-# engine) cannot become inf and then NaN via inf * 0 (zero advantage, padding). e^20 ~ 5e8 lies far outside
-# every clip range: the clamp only changes tokens whose term is already clipped, or A<0 tokens with an
-# absurd ratio (whose gradient it then cuts, like dual-clip PPO would).
-MAX_LOG_RATIO = 20.0
+Variant = Literal["grpo_offpolicy_approx", "grpo_offpolicy_exact", "gspo", "decoupled_ppo", "cispo", "sapo"]
 
 _NEEDS_PROXIMAL: frozenset[Variant] = frozenset({"grpo_offpolicy_exact", "decoupled_ppo"})
 
@@ -48,10 +42,16 @@ class LossConfig:
         "grpo_offpolicy_approx: eq. 6 of arXiv 2505.22257 with pi_k/alpha ~ 1 (clip pi/alpha around 1); "
         "grpo_offpolicy_exact: eq. 6 (clip pi/alpha around pi_k/alpha; needs proximal logprobs); "
         "gspo: sequence-level ratio (arXiv 2507.18071); decoupled_ppo: AReaL (arXiv 2505.24298; needs "
-        "proximal logprobs).")
+        "proximal logprobs); cispo: clipped, detached IS weight times log pi (MiniMax-M1, arXiv 2506.13585); "
+        "sapo: a sigmoid gate instead of a clip (arXiv 2511.20347; sapo_tau_pos/neg).")
     eps_low: float = opt(
         0.2, "Lower clip range: ratios below 1 - eps_low stop pushing A<0 tokens down. In [0, 1).")
     eps_high: float = opt(0.2, "Upper clip range (DAPO clip-higher: eps_high > eps_low, e.g. 0.28). >= 0.")
+    dual_clip_c: float | None = opt(
+        None, "Dual-clip (arXiv 1912.09729; verl's clip_ratio_c = 3): for A<0 the term is bounded below by c*A, "
+              "so a huge ratio cannot push a bad token without limit. null: off. > 1.")
+    sapo_tau_pos: float = opt(1.0, "sapo: gate temperature for A>0 (verl's and TRL's default 1.0). > 0.")
+    sapo_tau_neg: float = opt(1.05, "sapo: gate temperature for A<0 (1.05: a slightly tighter gate). > 0.")
     beta: float = opt(0.0, "KL(pi || pi_ref) coefficient (k3 estimator); > 0 needs reference logprobs.")
     agg: Aggregation = opt(
         "seq_mean_token_mean",
@@ -70,9 +70,9 @@ class LossConfig:
 
     def validate(self) -> None:
         require(self.variant in _VARIANTS, f"loss.variant: {self.variant!r} is not one of {list(_VARIANTS)}")
-        require(self.agg in _AGGREGATIONS, f"loss.agg: {self.agg!r} is not one of {list(_AGGREGATIONS)}")
-        require(self.is_correction is None or self.is_correction in _CORRECTIONS,
-                f"loss.is_correction: {self.is_correction!r} is not one of {list(_CORRECTIONS)} or null")
+        require(self.agg in AGGREGATIONS, f"loss.agg: {self.agg!r} is not one of {list(AGGREGATIONS)}")
+        require(self.is_correction is None or self.is_correction in CORRECTIONS,
+                f"loss.is_correction: {self.is_correction!r} is not one of {list(CORRECTIONS)} or null")
         require(0.0 <= self.eps_low < 1.0,
                 f"loss.eps_low: must be in [0, 1) so that the lower clip bound 1 - eps_low stays positive, "
                 f"got {self.eps_low}")
@@ -81,6 +81,12 @@ class LossConfig:
         require(self.beta >= 0.0,
                 f"loss.beta: the KL coefficient must be >= 0 (0 disables the KL term), got {self.beta}")
         require(self.is_cap > 0.0, f"loss.is_cap: must be > 0 (2.0 is usual), got {self.is_cap}")
+        require(self.dual_clip_c is None or self.dual_clip_c > 1.0,
+                f"loss.dual_clip_c: must be > 1 (3.0 is usual) or null, got {self.dual_clip_c}")
+        require(self.dual_clip_c is None or self.variant not in ("cispo", "sapo"),
+                f"loss.dual_clip_c: bounds PPO's clipped surrogate; variant={self.variant} has none (set it null)")
+        require(self.sapo_tau_pos > 0.0 and self.sapo_tau_neg > 0.0,
+                f"loss.sapo_tau_pos/neg: must be > 0, got {self.sapo_tau_pos}/{self.sapo_tau_neg}")
         require(self.max_len_norm is None or self.max_len_norm >= 1,
                 f"loss.max_len_norm: must be >= 1 (set it to the generation's max new tokens), "
                 f"got {self.max_len_norm}")
@@ -141,11 +147,6 @@ class _Surrogate(NamedTuple):
     weight: Tensor | None  # the variant's own detached behaviour-correction weight, if any
 
 
-def _log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
-    # where() rather than * mask: padding positions may hold garbage (inf, NaN) that * 0 would propagate.
-    return torch.where(mask, num - den, torch.zeros_like(num)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-
-
 def _clipped_term(ratio: Tensor, low: Tensor | float, high: Tensor | float, adv: Tensor) -> Tensor:
     """The PPO surrogate min(r A, clip(r, low, high) A) (Schulman et al., arXiv 1707.06347, eq. 7)."""
     return torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
@@ -159,7 +160,7 @@ def _grpo_offpolicy_approx(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     The paper found it more stable than the exact form. With alpha = pi_k it is standard clipped GRPO
     (Shao et al., arXiv 2402.03300).
     """
-    ratio = torch.exp(_log_ratio(p.logp, p.behaviour, p.mask))
+    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, None)
 
@@ -173,8 +174,8 @@ def _grpo_offpolicy_exact(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     Keeps pi/alpha within eps of pi_k/alpha, i.e. pi close to pi_k, whatever the staleness of alpha.
     """
     assert p.proximal is not None  # compute_loss checks this with a proper error
-    ratio = torch.exp(_log_ratio(p.logp, p.behaviour, p.mask))
-    r_prox = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
+    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
+    r_prox = torch.exp(log_ratio(p.proximal, p.behaviour, p.mask))
     low, high = (r_prox - cfg.eps_low).clamp_min(0.0), r_prox + cfg.eps_high
     return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, None)
 
@@ -188,7 +189,7 @@ def _gspo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     so that seq_mean_token_mean yields exactly the sequence term. The GSPO paper clips far tighter than the
     token-level variants (eps ~ 3e-4 / 4e-4): the geometric mean moves much less than single token ratios.
     """
-    log_r = _log_ratio(p.logp, p.behaviour, p.mask)
+    log_r = log_ratio(p.logp, p.behaviour, p.mask)
     n = p.mask.sum(dim=-1, keepdim=True).clamp_min(1)
     seq_ratio = torch.exp(log_r.sum(dim=-1, keepdim=True) / n)
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
@@ -207,10 +208,48 @@ def _decoupled_ppo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     replaces it by its truncated / masked form instead of applying a second importance weight.
     """
     assert p.proximal is not None  # compute_loss checks this with a proper error
-    ratio = torch.exp(_log_ratio(p.logp, p.proximal, p.mask))
-    weight = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
+    ratio = torch.exp(log_ratio(p.logp, p.proximal, p.mask))
+    weight = torch.exp(log_ratio(p.proximal, p.behaviour, p.mask))
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, weight)
+
+
+def _cispo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv 2506.13585, eq. 4; in verl and TRL)::
+
+        r_t = pi / alpha;   term_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t)
+
+    The weight is clipped and detached and the gradient flows through log pi, so a clipped token still
+    contributes (with the capped weight) instead of being cut off as in PPO's min(). MiniMax used no lower
+    bound: eps_low close to 1 (e.g. 0.99) approximates that. The term's value is not a surrogate objective's
+    value; its gradient is the point: sg(w) * A * grad log pi.
+    """
+    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    weight = ratio.detach().clamp(low, high)
+    logp = torch.where(p.mask, p.logp, torch.zeros_like(p.logp))  # padding logprobs may be garbage
+    return _Surrogate(weight * p.adv * logp, ratio, low, high, None)
+
+
+def _sapo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
+    """SAPO, soft adaptive policy optimisation (Gao et al., arXiv 2511.20347; in verl and TRL)::
+
+        r_t = pi / alpha;   tau = tau_pos if A > 0 else tau_neg
+        term_t = (4 / tau) * sigmoid(tau * (r_t - 1)) * A
+
+    A smooth gate instead of a hard clip: the gradient weight 4 s (1 - s) r_t (s = the sigmoid) is exactly 1 on
+    policy (r = 1) and decays smoothly as r leaves 1, instead of dropping to 0 at the clip bound. Nothing is
+    clipped, so the clip fractions report the tokens outside [1 - eps_low, 1 + eps_high] for comparison.
+    """
+    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
+    tau = torch.full_like(p.adv, cfg.sapo_tau_neg).masked_fill(p.adv > 0, cfg.sapo_tau_pos)  # in ratio's dtype
+    term = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * p.adv
+    return _Surrogate(term, ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, None)
+
+
+def _dual_clip(objective: Tensor, adv: Tensor, c: float) -> Tensor:
+    """Dual-clip PPO (Ye et al., arXiv 1912.09729, eq. 5): for A < 0, term = max(term, c * A)."""
+    return torch.where(adv < 0, torch.maximum(objective, c * adv), objective)
 
 
 _VARIANTS: dict[Variant, Callable[[_Prepared, LossConfig], _Surrogate]] = {
@@ -218,65 +257,9 @@ _VARIANTS: dict[Variant, Callable[[_Prepared, LossConfig], _Surrogate]] = {
     "grpo_offpolicy_exact": _grpo_offpolicy_exact,
     "gspo": _gspo,
     "decoupled_ppo": _decoupled_ppo,
+    "cispo": _cispo,
+    "sapo": _sapo,
 }
-
-
-def _seq_mean_token_mean(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
-    """GRPO (arXiv 2402.03300, eq. 3): (1/B) sum_b (1/|y_b|) sum_t x_bt.
-
-    A sequence with no counted token contributes 0 but still counts in B, so the weight of every other
-    sequence does not depend on it.
-    """
-    per_seq = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / mask.sum(dim=-1).clamp_min(1)
-    return per_seq.mean()
-
-
-def _token_mean(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
-    """DAPO token-level loss (arXiv 2503.14476, sec. 3.3): sum_bt x_bt / sum_b |y_b|.
-
-    Every token weighs the same, so long answers weigh more than under the per-sequence mean."""
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
-
-
-def _seq_mean_token_sum_norm(x: Tensor, mask: Tensor, max_len_norm: int) -> Tensor:
-    """Dr.GRPO (arXiv 2503.20783, sec. 3): (1/B) sum_b (1/L) sum_t x_bt with a constant L = max_len_norm,
-    which removes GRPO's bias towards long wrong / short right answers."""
-    return (torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / max_len_norm).mean()
-
-
-_AGGREGATIONS: dict[Aggregation, Callable[[Tensor, Tensor, int], Tensor]] = {
-    "seq_mean_token_mean": _seq_mean_token_mean,
-    "token_mean": _token_mean,
-    "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
-}
-
-
-def _tis(w: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training", fengyao.notion.site/off-policy-rl): weight_t = min(w_t, C), mask unchanged."""
-    return w.clamp_max(cap), mask
-
-
-def _mis(w: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """Masked IS (Liu, Li et al. 2025, "When speed kills stability"): weight_t = w_t 1[w_t <= C].
-
-    Rejected tokens leave the mask altogether (as in verl's rollout_is mode=mask): they drop out of the
-    surrogate, the KL term, the aggregation denominators and the metrics, as if never sampled.
-    """
-    return w, mask & (w <= cap)
-
-
-_CORRECTIONS: dict[ISCorrection, Callable[[Tensor, Tensor, float], tuple[Tensor, Tensor]]] = {
-    "tis": _tis,
-    "mis": _mis,
-}
-
-
-def _k3(logp: Tensor, ref: Tensor, mask: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref) (Schulman 2020, "Approximating KL divergence"; as in TRL
-    and DeepSeekMath eq. 4): exp(ref - logp) - (ref - logp) - 1 >= 0, unbiased under samples of pi."""
-    d = _log_ratio(ref, logp, mask)
-    return torch.exp(d) - d - 1.0
 
 
 def _prepare(inputs: LossInputs, cfg: LossConfig) -> _Prepared:
@@ -366,13 +349,15 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     is_w: Tensor | None = None
     if cfg.is_correction is not None:
         assert p.proximal is not None  # _prepare raised otherwise
-        w = torch.exp(_log_ratio(p.proximal, p.behaviour, p.mask))
-        is_w, mask = _CORRECTIONS[cfg.is_correction](w, p.mask, cfg.is_cap)
+        w = torch.exp(log_ratio(p.proximal, p.behaviour, p.mask))
+        is_w, mask = CORRECTIONS[cfg.is_correction](w, p.mask, cfg.is_cap)
         p = p._replace(mask=mask)
     s = _VARIANTS[cfg.variant](p, cfg)
+    if cfg.dual_clip_c is not None:
+        s = s._replace(objective=_dual_clip(s.objective, p.adv, cfg.dual_clip_c))
     weight = is_w if is_w is not None else s.weight
     per_token = s.objective if weight is None else s.objective * weight
-    aggregate = _AGGREGATIONS[cfg.agg]
+    aggregate = AGGREGATIONS[cfg.agg]
     if cfg.agg == "seq_mean_token_sum_norm" and cfg.max_len_norm is None:
         raise ValueError("loss.max_len_norm: seq_mean_token_sum_norm needs the constant (LearnerConfig.loss_config "
                          "fills in the pipeline's max_new_tokens)")
@@ -381,6 +366,6 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     if cfg.beta > 0.0:
         assert inputs.ref_logprobs is not None  # _prepare raised otherwise
         ref = inputs.ref_logprobs.detach().to(p.logp.dtype)
-        kl = aggregate(_k3(p.logp, ref, p.mask), p.mask, cfg.max_len_norm)
+        kl = aggregate(k3(p.logp, ref, p.mask), p.mask, cfg.max_len_norm)
     loss = -objective + cfg.beta * kl
     return LossOutputs(loss=loss, metrics=_metrics(p, s, kl, is_w, mask_in))

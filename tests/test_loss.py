@@ -17,6 +17,7 @@ from torch import Tensor
 
 from grpo_core.config import ConfigError, build
 from grpo_learner import loss as loss_mod
+from grpo_learner import loss_terms
 from grpo_learner.advantages import AdvantageConfig, group_advantages
 from grpo_learner.loss import Aggregation, LossConfig, LossInputs, Variant, compute_loss
 
@@ -63,6 +64,12 @@ def hand_terms(variant: str, eps_low: float = 0.2, eps_high: float = 0.2) -> lis
     if variant == "decoupled_ppo":
         return [[rp * ppo(r / rp, a, lo, hi) for r, rp in zip(row, prow, strict=True)]
                 for row, prow, a in zip(R, R_PROX, ADV, strict=True)]
+    if variant == "cispo":  # sg(clip(r)) * A * log pi
+        return [[clip(r, lo, hi) * a * lp for r, lp in zip(row, lrow, strict=False)]
+                for row, lrow, a in zip(R, LOGP, ADV, strict=True)]
+    if variant == "sapo":  # (4 / tau) sigmoid(tau (r - 1)) A
+        taus = [1.0 if a > 0 else 1.05 for a in ADV]
+        return [[4 / t / (1 + math.exp(-t * (r - 1))) * a for r in row] for row, a, t in zip(R, ADV, taus, strict=True)]
     out = []
     for row, a in zip(R, ADV, strict=True):
         s = math.exp(sum(math.log(r) for r in row) / len(row))
@@ -423,7 +430,54 @@ def test_defaults_validate_and_load_from_config_mappings() -> None:
 
 def test_tables_cover_the_literals() -> None:
     tables: list[tuple[dict[str, Callable[..., object]], tuple[str, ...]]] = [
-        (loss_mod._VARIANTS, get_args(Variant)), (loss_mod._AGGREGATIONS, get_args(Aggregation)),
-        (loss_mod._CORRECTIONS, get_args(loss_mod.ISCorrection))]
+        (loss_mod._VARIANTS, get_args(Variant)), (loss_terms.AGGREGATIONS, get_args(Aggregation)),
+        (loss_terms.CORRECTIONS, get_args(loss_terms.ISCorrection))]
     for table, names in tables:
         assert set(table) == set(names)
+
+
+# ------------------------------------------------------------------------------------------ the peers' variants
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
+    """d loss / d log pi_t = -(1/B)(1/|y|) clip(r_t) A: the clipped tokens (1.3 -> 1.2, 0.7 -> 0.8 on row 1)
+    still get a gradient, with the capped weight (PPO's min() gives them none)."""
+    _, g = grad_of(make_inputs(), LossConfig(variant="cispo"))
+    expected = [[-clip(r, 0.8, 1.2) * a / len(row) / 2 for r in row] for row, a in zip(R, ADV, strict=True)]
+    assert g[0].tolist() == pytest.approx(expected[0], abs=1e-12)
+    assert g[1, :2].tolist() == pytest.approx(expected[1], abs=1e-12) and g[1, 2].item() == 0.0
+    _, g_ppo = grad_of(make_inputs(), LossConfig())
+    assert g_ppo[0, 1].item() == 0.0 and g[0, 1].item() != 0.0  # the same token: cut by PPO, kept by CISPO
+
+
+def test_sapo_gate_gradient_is_one_on_policy_and_smooth_off_it() -> None:
+    """d term / d log pi = 4 s (1 - s) r A with s = sigmoid(tau (r - 1)): A at r = 1, decaying smoothly."""
+    _, g = grad_of(make_inputs(), LossConfig(variant="sapo", agg="token_mean"))
+    expected = []
+    for row, a in zip(R, ADV, strict=True):
+        t = 1.0 if a > 0 else 1.05
+        expected.append([-4 * (s := 1 / (1 + math.exp(-t * (r - 1)))) * (1 - s) * r * a / 5 for r in row])
+    assert g[0].tolist() == pytest.approx(expected[0], abs=1e-12)
+    assert g[1, :2].tolist() == pytest.approx(expected[1], abs=1e-12)
+    on = make_inputs(mask=[[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    on.behaviour_logprobs = on.logprobs.detach().clone()  # r = 1
+    _, g_on = grad_of(on, LossConfig(variant="sapo", agg="token_mean"))
+    assert g_on[0, 0].item() == pytest.approx(-ADV[0], abs=1e-12)
+
+
+def test_dual_clip_bounds_negative_advantage_terms() -> None:
+    """A<0 and a ratio past c: the term is c*A (no gradient) instead of r*A; A>0 terms are untouched."""
+    inputs = make_inputs(adv=[-1.0, 2.0])
+    with torch.no_grad():
+        inputs.behaviour_logprobs[0, 0] = inputs.logprobs[0, 0] - math.log(5.0)  # r = 5 on an A<0 token
+    cfg = LossConfig(dual_clip_c=3.0, agg="token_mean")
+    loss, g = grad_of(inputs, cfg)
+    plain, g_plain = grad_of(inputs, dataclasses.replace(cfg, dual_clip_c=None))
+    # token (0, 0): plain term 5 * -1 = -5, dual-clipped max(-5, 3 * -1) = -3: the loss is 2/5 lower
+    assert loss.item() == pytest.approx(plain.item() - 2.0 / 5, abs=1e-12)
+    assert g[0, 0].item() == 0.0 and g_plain[0, 0].item() != 0.0
+    assert torch.equal(g[1], g_plain[1])
+    with pytest.raises(ConfigError, match="dual_clip_c"):
+        LossConfig(variant="cispo", dual_clip_c=3.0).validate()
+    with pytest.raises(ConfigError, match="dual_clip_c"):
+        LossConfig(dual_clip_c=1.0).validate()

@@ -26,6 +26,7 @@ from grpo_core.config import ConfigError, KafkaConfig, TopicsConfig, TopicSpec, 
 
 TopicKey = Literal["prompts", "completions", "groups", "weights", "weight_data", "dlq"]
 GroupKey = Literal["producers", "verifiers", "learner"]
+LogprobMode = Literal["sampling", "raw"]
 
 # Kafka allows [a-zA-Z0-9._-] up to 249 characters in topic names; run names also become paths and record keys.
 _RUN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
@@ -56,6 +57,11 @@ class PipelineContract:
                                  "the verifiers' published std and the learner's advantages. In (0, 1).")
     max_staleness: int = opt(4, "The learner drops groups generated more than this many learner steps ago; "
                                 "producers never run further ahead than this (-1: unbounded).")
+    logprobs: LogprobMode = opt(
+        "sampling", "Which distribution the behaviour logprobs and the learner's logprobs are of. sampling: the "
+        "tempered one, log_softmax(logits / T), as TRL and verl (each completion records its T; the learner "
+        "divides its logits by it); raw: T = 1 whatever the sampling temperature. Top-p / top-k truncation is "
+        "refused with sampling: the engine's renormalised nucleus is a distribution the learner cannot recompute.")
     topics: TopicsConfig = opt(factory=TopicsConfig, help="The topic plan (names before the prefix).")
     groups: ConsumerGroups = opt(factory=ConsumerGroups, help="Consumer-group names (before the prefix).")
 
@@ -65,6 +71,7 @@ class PipelineContract:
         require(self.prefix is None or bool(_PREFIX_RE.fullmatch(self.prefix)),
                 f"pipeline.prefix: {self.prefix!r}: only [A-Za-z0-9._-] (Kafka topic-name characters)")
         require(1 <= self.group_size <= 4096, f"pipeline.group_size: must be in [1, 4096], got {self.group_size}")
+        require(self.logprobs in ("sampling", "raw"), f"pipeline.logprobs: {self.logprobs!r} is not sampling or raw")
         require(self.max_new_tokens >= 1, f"pipeline.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         require(0.0 < self.stats_eps < 1.0, f"pipeline.stats_eps: must be in (0, 1) as in eq. 2 (1e-4 is usual), "
                                             f"got {self.stats_eps}")

@@ -134,6 +134,9 @@ class Completion(Record):
     # oldest version and uses the right logprobs; it only cannot show the span.
     later_versions: list[int] = field(default_factory=list, metadata={"omit_empty": True})
     later_starts: list[int] = field(default_factory=list, metadata={"omit_empty": True})
+    # The temperature T of the distribution ``behaviour_logprobs`` are of: log_softmax(logits / T) (the
+    # contract's ``logprobs: sampling``). 0: the raw distribution (T = 1), as before this field existed.
+    logprob_temperature: float = field(default=0.0, metadata={"omit_empty": True})
 
     @property
     def newest_version(self) -> int:
@@ -164,6 +167,8 @@ class Completion(Record):
             raise WireError("behaviour_logprobs: values > 0")
         if self.later_versions or self.later_starts:
             self._validate_span(n_tok)
+        if not self.logprob_temperature >= 0:  # also refuses NaN
+            raise WireError(f"logprob_temperature: {self.logprob_temperature} < 0")
 
     def _validate_span(self, n_tok: int) -> None:
         versions, starts = self.later_versions, self.later_starts

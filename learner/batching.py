@@ -38,6 +38,7 @@ class Batch:
     group_index: Tensor  # [N] long, index of the row's group in the collate() input
     policy_version: Tensor  # [N] long, the behaviour policy's version (for staleness metrics / corrections)
     source_rows: Tensor  # [N] long, row index in the batch collate() returned (maps microbatches back)
+    temperature: Tensor  # [N] float32, the T the row's behaviour logprobs are at (1 for raw); logits are / T
 
     @property
     def num_rows(self) -> int:
@@ -120,7 +121,8 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[Tensor | Sequenc
         behaviour_logprobs=torch.from_numpy(behaviour), advantages=torch.tensor(adv_rows, dtype=torch.float32),
         group_index=torch.tensor([g for g, _ in rows], dtype=torch.long),
         policy_version=torch.tensor([c.policy_version for _, c in rows], dtype=torch.long),
-        source_rows=torch.arange(n, dtype=torch.long))
+        source_rows=torch.arange(n, dtype=torch.long),
+        temperature=torch.tensor([c.logprob_temperature or 1.0 for _, c in rows], dtype=torch.float32))
 
 
 def microbatches(batch: Batch, max_tokens: int, sort_by_length: bool = False) -> list[Batch]:

@@ -72,9 +72,12 @@ def completion_logprobs_with_entropy(model: nn.Module, batch: Batch, *,
 def _completion_stats(model: nn.Module, batch: Batch, with_entropy: bool, chunk_tokens: int) -> TokenLogprobs:
     # Completion token j of row i sits at input position completion_start[i] + j and is predicted from the
     # hidden state one position earlier.
+    # Each row's logits are divided by the temperature its behaviour logprobs are at (1 for raw ones), so both
+    # sides of the ratio are of the same distribution.
     rows, j = batch.completion_mask.bool().nonzero(as_tuple=True)
     cols = batch.completion_start[rows] + j - 1
-    lp, ent = _selected_stats(model, batch.input_ids, batch.attention_mask, rows, cols, with_entropy, chunk_tokens)
+    lp, ent = _selected_stats(model, batch.input_ids, batch.attention_mask, rows, cols, with_entropy, chunk_tokens,
+                              batch.temperature.to(batch.input_ids.device)[rows])
     shape = tuple(batch.completion_mask.shape)
     return TokenLogprobs(_scatter(lp, rows, j, shape), None if ent is None else _scatter(ent, rows, j, shape))
 
@@ -85,7 +88,8 @@ def _scatter(values: Tensor, rows: Tensor, cols: Tensor, shape: tuple[int, ...])
 
 
 def _selected_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, rows: Tensor, cols: Tensor,
-                    with_entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
+                    with_entropy: bool, chunk_tokens: int,
+                    temperature: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Logprob (and entropy) of ``input_ids[rows, cols + 1]`` from the prefix ending at ``(rows, cols)``; [M]."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens: must be > 0, got {chunk_tokens}")
@@ -96,10 +100,11 @@ def _selected_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     lps, ents = [], []
     for start in range(0, selected.shape[0], chunk_tokens):
         h, t = selected[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        temp = None if temperature is None else temperature[start:start + chunk_tokens]
         if recompute:
-            lp, ent = checkpoint(_chunk_stats, head, h, t, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_stats, head, h, t, with_entropy, temp, use_reentrant=False)
         else:
-            lp, ent = _chunk_stats(head, h, t, with_entropy)
+            lp, ent = _chunk_stats(head, h, t, with_entropy, temp)
         lps.append(lp)
         ents.append(ent)
     if not lps:
@@ -108,8 +113,10 @@ def _selected_stats(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
-def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
-    logp = head(hidden).float().log_softmax(-1)
+def _chunk_stats(head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool,
+                 temperature: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    logits = head(hidden).float()
+    logp = (logits if temperature is None else logits / temperature.unsqueeze(-1)).log_softmax(-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return lp, lp.new_zeros(0)

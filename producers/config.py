@@ -60,11 +60,24 @@ class ProducerConfig:
         require(self.backpressure_poll_s > 0, "backpressure_poll_s: must be > 0")
         require(self.weights_catchup_s > 0, "weights_catchup_s: must be > 0")
         require(self.max_failed_batches >= 1, "max_failed_batches: must be >= 1")
+        s = self.sampling
+        require(self.pipeline.logprobs != "sampling" or s.temperature == 0 or (s.top_p == 1 and s.top_k == 0),
+                f"sampling.top_p={s.top_p} / top_k={s.top_k} with pipeline.logprobs=sampling: the engine's "
+                "logprobs would be of the renormalised nucleus, which the learner cannot recompute; set top_p: 1 "
+                "and top_k: 0, or pipeline.logprobs: raw")
 
     @property
     def version_lag(self) -> int:
         """The max_version_lag in force: the configured one, else the contract's staleness bound."""
         return self.pipeline.max_staleness if self.max_version_lag is None else self.max_version_lag
+
+    def backend_config(self) -> BackendConfig:
+        """The backend config with the contract's logprob mode."""
+        return dataclasses.replace(self.backend, logprobs=self.pipeline.logprobs)
+
+    def logprob_temperature(self) -> float:
+        """What each completion records: the T its behaviour logprobs are at (0: raw)."""
+        return self.sampling.temperature if self.pipeline.logprobs == "sampling" else 0.0
 
     def sampling_params(self) -> SamplingConfig:
         """Sampling with ``max_tokens`` resolved against the contract."""

@@ -63,7 +63,7 @@ class Producer:
         self.cfg = cfg
         self.id = cfg.producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = ProducerMetrics()
-        self.backend = make_backend(cfg.backend)
+        self.backend = make_backend(cfg.backend_config())
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.backend.tokenizer or cfg.backend.model)
         self.sampling = cfg.sampling_params()
         self.sender = make_producer(cfg.kafka, "producer")
@@ -255,7 +255,7 @@ class Producer:
             prompt_token_ids=job.prompt_ids, completion_token_ids=sample.token_ids,
             behaviour_logprobs=sample.logprobs, policy_version=version, producer_id=self.id,
             finish_reason=sample.finish_reason, prompt=t.prompt, completion=sample.text, epoch=t.epoch,
-            metadata={**t.metadata, "attempt": attempt},
+            metadata={**t.metadata, "attempt": attempt}, logprob_temperature=self.cfg.logprob_temperature(),
             timings={"generate_s": gen_s, "published_at": time.time(), "prompt_created_at": t.created_at})
 
     def stop(self) -> None:

@@ -62,15 +62,17 @@ def hf(models: tuple[Path, Path]) -> Iterator[HFBackend]:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def learner_diff(model: PreTrainedModel, prompts: Sequence[Sequence[int]], result: list[list[Sample]]) -> float:
-    """Max |backend logprob - learner recomputation| over all completion tokens of ``result``."""
+def learner_diff(model: PreTrainedModel, prompts: Sequence[Sequence[int]], result: list[list[Sample]],
+                 temperature: float = 0.0) -> float:
+    """Max |backend logprob - learner recomputation| over all completion tokens of ``result``; ``temperature``
+    is what the producer records (``logprob_temperature``: 0 for raw logprobs)."""
     groups = []
     for p, (prompt, samples) in enumerate(zip(prompts, result, strict=True)):
         members = [wire.Completion(
             group_id=f"p{p}@e0r0", index=k, group_size=len(samples), prompt_id=f"p{p}", task="t",
             prompt_token_ids=np.asarray(prompt, np.int32), completion_token_ids=s.token_ids,
-            behaviour_logprobs=s.logprobs, policy_version=0, producer_id="test", finish_reason=s.finish_reason)
-            for k, s in enumerate(samples)]
+            behaviour_logprobs=s.logprobs, policy_version=0, producer_id="test", finish_reason=s.finish_reason,
+            logprob_temperature=temperature) for k, s in enumerate(samples)]
         groups.append(wire.ScoredGroup(
             group_id=f"p{p}@e0r0", prompt_id=f"p{p}", task="t", policy_version=0, completions=members,
             rewards=[0.0] * len(members), reward_mean=0.0, reward_std=0.0, verifier_id="v", group_size=len(members)))
@@ -285,6 +287,17 @@ def test_hf_load_weights_rejects_other_architectures(models: tuple[Path, Path], 
         backend.close()
 
 
+def test_hf_logprobs_at_the_sampling_temperature(models: tuple[Path, Path], reference: PreTrainedModel,
+                                                 prompt_ids: list[list[int]]) -> None:
+    """pipeline.logprobs=sampling: the behaviour logprobs are of log_softmax(logits / T), the distribution the
+    tokens were drawn from, and the learner, dividing its logits by the recorded T, gets ratio 1 on policy."""
+    tempered = make_backend(BackendConfig(model=str(models[0]), logprobs="sampling"))
+    sampling = SamplingConfig(max_tokens=12, temperature=0.7, seed=3)
+    result = tempered.generate(prompt_ids, 4, sampling)
+    assert learner_diff(reference, prompt_ids, result, temperature=0.7) < LOGPROB_TOL
+    assert learner_diff(reference, prompt_ids, result) > 100 * LOGPROB_TOL  # not the raw distribution
+
+
 # ------------------------------------------------------------------------------------------ vLLM backend
 
 
@@ -358,3 +371,18 @@ def test_vllm_load_weights_without_restart(vllm_backend: Backend, models: tuple[
         assert sampled(vllm_backend, prompt_ids) == samples_before
     finally:
         other.close()
+
+
+@pytest.mark.slow
+def test_vllm_logprobs_at_the_sampling_temperature(vllm_backend: Backend, models: tuple[Path, Path],
+                                                   reference: PreTrainedModel, prompt_ids: list[list[int]]) -> None:
+    """vLLM's processed_logprobs (after the temperature, no truncation) == the learner's logits / T."""
+    vllm_backend.close()  # one engine at a time on this machine; the module's engine is not used after this
+    tempered = make_backend(BackendConfig(kind="vllm", model=str(models[0]), logprobs="sampling"))
+    try:
+        sampling = SamplingConfig(max_tokens=12, temperature=0.7, seed=3)
+        result = tempered.generate(prompt_ids, 4, sampling)
+        assert learner_diff(reference, prompt_ids, result, temperature=0.7) < LOGPROB_TOL
+        assert learner_diff(reference, prompt_ids, result) > 100 * LOGPROB_TOL
+    finally:
+        tempered.close()

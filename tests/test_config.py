@@ -168,3 +168,17 @@ def test_explain_lists_every_leaf_with_help() -> None:
     topic_lines = list(explain(TopicsFileConfig))
     assert "pipeline.topics.weights.cleanup_policy = 'compact'  # cleanup.policy." in topic_lines
     assert any(line.startswith("kafka.bootstrap = None") for line in topic_lines)
+
+
+def test_truncated_sampling_is_refused_with_sampling_logprobs() -> None:
+    """pipeline.logprobs=sampling reports the tempered distribution; a top-p/top-k nucleus is one the learner
+    cannot recompute, so the producer refuses it at start-up (raw logprobs, or greedy, are fine)."""
+    from grpo_producers.config import ProducerConfig
+
+    base = ["backend.model=/m", "sampling.temperature=0.7"]
+    with pytest.raises(ConfigError, match="renormalised nucleus"):
+        load_config(ProducerConfig, None, [*base, "sampling.top_p=0.9"])
+    cfg = load_config(ProducerConfig, None, [*base, "sampling.top_k=20", "pipeline.logprobs=raw"])
+    assert (cfg.backend_config().logprobs, cfg.logprob_temperature()) == ("raw", 0.0)
+    cfg = load_config(ProducerConfig, None, base)
+    assert (cfg.backend_config().logprobs, cfg.logprob_temperature()) == ("sampling", 0.7)

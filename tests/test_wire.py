@@ -651,6 +651,15 @@ def test_a_completion_carries_the_versions_of_its_tokens() -> None:
             wire.encode(dataclasses.replace(plain, **bad))
 
 
+def test_a_completion_says_which_temperature_its_logprobs_are_at() -> None:
+    plain = make_completion("g@e0r0", 0, 4, tokens=8)
+    assert "logprob_temperature" not in msgpack.unpackb(wire.encode(plain), raw=False)  # 0: raw, as before
+    tempered = wire.decode(wire.encode(dataclasses.replace(plain, logprob_temperature=0.7)), wire.Completion)
+    assert tempered.logprob_temperature == 0.7
+    with pytest.raises(wire.WireError, match="logprob_temperature"):
+        wire.encode(dataclasses.replace(plain, logprob_temperature=-1.0))
+
+
 def test_failed_members_travel_only_when_there_are_some() -> None:
     """``failed`` was added without a schema bump: left out while empty, so records without failures are the same
     bytes a reader predating it accepts, and its records still decode here."""

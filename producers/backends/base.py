@@ -5,14 +5,14 @@ second, the choice for tests, the CPU demo and short runs) and :class:`~grpo_pro
 (an in-process ``vllm.LLM`` engine; ~20 s to start on CPU, much faster per token afterwards, the production
 choice). :func:`make_backend` builds either from a :class:`BackendConfig`; vLLM is imported only when asked for.
 
-**Which logprobs a sample carries.** ``Sample.logprobs[t]`` is ``log pi(token_t | prompt, tokens_<t)`` under the
-model's *raw* next-token distribution -- ``log_softmax`` of the logits in float32, at temperature 1, before any
-top-p / top-k / temperature processing -- whatever :class:`SamplingConfig` the tokens were sampled with. That is
-exactly what the learner recomputes (``learner/logprobs.py``), so on-policy samples have importance ratio 1 and a
-ratio != 1 measures only staleness (plus kernel noise, ~1e-6 in float32). vLLM's default ``logprobs_mode``
-(``raw_logprobs``) reports the same quantity. The price: with temperature != 1 or truncation, these are not the
-probabilities the tokens were actually drawn with; the GRPO objective treats pi_old as the policy's own
-distribution, and a learner that wants the sampling distribution must apply the same processing to both sides.
+**Which logprobs a sample carries** (``BackendConfig.logprobs``, from the pipeline contract). ``sampling`` (the
+default, as TRL and verl): ``Sample.logprobs[t]`` is ``log_softmax(logits / T)`` at the sampled token, in float32,
+T the sampling temperature (the distribution the token was drawn from; vLLM's ``processed_logprobs``); the
+producer records T on the completion and the learner divides its logits by it (``learner/logprobs.py``), so
+on-policy samples have importance ratio 1 and a ratio != 1 measures staleness (plus kernel noise). ``raw``: T = 1
+whatever the temperature (vLLM's ``raw_logprobs``), the objective of the raw policy. Greedy (T = 0) is raw in
+both. Top-p / top-k with ``sampling`` is refused (``ProducerConfig``): vLLM's processed logprobs are then of the
+renormalised nucleus, which the learner cannot recompute from its full softmax.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 
 from grpo_core.config import opt, require
+from grpo_core.contract import LogprobMode
 
 FinishReason = Literal["stop", "length"]
 BackendKind = Literal["hf", "vllm"]
@@ -43,7 +44,7 @@ DEFAULT_MEMORY_UTILIZATION = {"cuda": 0.9, "cpu": 0.15}
 class SamplingConfig:
     """How to sample completions; the same meaning in every backend (vLLM's SamplingParams semantics)."""
 
-    temperature: float = opt(1.0, "Sampling temperature; 0 = greedy (deterministic). Logprobs stay raw (T=1).")
+    temperature: float = opt(1.0, "Sampling temperature; 0 = greedy (deterministic). Logprobs: pipeline.logprobs.")
     top_p: float = opt(1.0, "Nucleus sampling: keep the smallest token set with this much probability (1 = off).")
     top_k: int = opt(0, "Sample among the k most likely tokens only (0 = off).")
     max_tokens: int | None = opt(
@@ -121,6 +122,8 @@ class BackendConfig:
                                      "chunk x n x max_tokens x vocab floats: lower this for big vocabularies.")
     enforce_eager: bool = opt(True, "vllm: no CUDA graphs / torch.compile (quick start; turn off for throughput).")
     seed: int = opt(0, "Seed of the backend's own sampling RNG stream (vLLM engine seed; hf: private RNG state).")
+    logprobs: LogprobMode = opt("raw", "Set by the producer from the pipeline contract's logprobs (sampling: "
+                                       "log_softmax(logits / T); raw: T = 1); see this module's docstring.")
 
     def validate(self) -> None:
         require(bool(self.model), "backend.model: required (a HF id or a local directory)")

@@ -87,7 +87,8 @@ class HFBackend:
                                   generation_config=self._generation_config(sampling, reps),
                                   stopping_criteria=criteria)
         new = gen.sequences[:, width:]
-        logprobs = sampled_logprobs(gen.logits, new)
+        tempered = self.cfg.logprobs == "sampling" and not greedy
+        logprobs = sampled_logprobs(gen.logits, new, sampling.temperature if tempered else 1.0)
         tokens_np, logprobs_np = new.cpu().numpy(), logprobs.cpu().numpy()
         samples = [self._sample(tokens_np[r], logprobs_np[r], sampling.stop) for r in range(new.shape[0])]
         if greedy:
@@ -208,14 +209,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device)
 
 
-def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """[rows, T] float32: raw log-softmax of step t's logits at ``tokens[:, t]``.
+def sampled_logprobs(step_logits: Sequence[torch.Tensor], tokens: torch.Tensor,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """[rows, T] float32: log-softmax of step t's logits / ``temperature`` at ``tokens[:, t]`` (``output_logits``
+    are the raw logits, before the temperature and truncation generate() applies to sample).
 
     One step at a time, so only one [rows, vocab] float32 copy exists besides the logits HF already holds.
     """
     if not step_logits:
         return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    cols = [logits.float().log_softmax(-1).gather(-1, tokens[:, t:t + 1]).squeeze(-1)
+    cols = [(logits.float() / temperature).log_softmax(-1).gather(-1, tokens[:, t:t + 1]).squeeze(-1)
             for t, logits in enumerate(step_logits)]
     return torch.stack(cols, 1)
 

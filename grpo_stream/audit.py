@@ -30,6 +30,8 @@ from grpo_learner.checkpoint import load_latest
 
 @dataclass
 class Audit:
+    """The reconciliation's figures (``format_audit`` names each); the promises are in :meth:`broken`."""
+
     fed: int = 0
     produced: int = 0
     groups_records: int = 0

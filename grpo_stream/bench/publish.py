@@ -19,7 +19,6 @@ Target: < 2 s/GB publish start -> in use, for fs and the kafka stream.
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -119,12 +118,7 @@ def measure(kind: str, kafka: KafkaConfig, topics: PipelineContract, size_mb: in
                 out[mode] = done - started if swapped is not None else float("inf")  # type: ignore[operator]
         conn.send(None)
     finally:
-        child.join(timeout=60)
-        if child.is_alive():
-            child.terminate()
-        subscriber.consumer.close()
-        fetcher.close()
-        shutil.rmtree(root, ignore_errors=True)
+        swap.close_bench(child, subscriber, fetcher, root)
     return out
 
 

@@ -25,6 +25,7 @@ import shutil
 import time
 import uuid
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import numpy as np
@@ -151,13 +152,18 @@ def measure_store(kind: str, kafka: KafkaConfig, topics: PipelineContract, files
                     streamed = fetcher.stream is not None and fetcher.stream.hits > hits
                     print(_line(label, size_mb, publish_s, done - published_at, size, swap, streamed), flush=True)
     finally:
-        learner.join(timeout=30)
-        if learner.is_alive():
-            learner.terminate()
-        subscriber.consumer.close()
-        fetcher.close()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(WEIGHTS / f"{kind}-cache", ignore_errors=True)
+        close_bench(learner, subscriber, fetcher, root, WEIGHTS / f"{kind}-cache")
+
+
+def close_bench(child: BaseProcess, subscriber: WeightSubscriber, fetcher: WeightFetcher, *dirs: Path) -> None:
+    """End a measurement: the publishing child, the receiving side, the directories it wrote."""
+    child.join(timeout=60)
+    if child.is_alive():
+        child.terminate()
+    subscriber.consumer.close()
+    fetcher.close()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _line(label: str, size_mb: int, publish_s: float, latency: float, size: int, swap: Swap, streamed: bool) -> str:

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,12 +135,12 @@ class Chaos:
         self.sup.spawn("producer", 0, self.paths["producer"])
         self.sup.spawn("feeder", 0, self.paths["feeder"])
 
-    def _wait(self, done: object, deadline: float, settle: int = 1) -> bool:
+    def _wait(self, done: Callable[[], bool], deadline: float, settle: int = 1) -> bool:
         """Supervise (restart what died) until ``done()`` holds ``settle`` checks in a row; False at the deadline."""
         held = 0
         while time.monotonic() < deadline:
             self.sup.tick()
-            held = held + 1 if done() else 0  # type: ignore[operator]
+            held = held + 1 if done() else 0
             if held >= settle:
                 return True
             time.sleep(1.0)

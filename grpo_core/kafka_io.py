@@ -304,28 +304,24 @@ def partitions_of(admin: KafkaAdminClient, topic: str) -> list[int]:
     return sorted(p["partition_index"] for p in meta["partitions"])
 
 
-def read_topic(cfg: KafkaConfig, topic: str, timeout_s: float = 120.0) -> list[ConsumerRecord]:
+def read_topic(cfg: KafkaConfig, topic: str, timeout_s: float = 120.0, role: str = "reader") -> list[ConsumerRecord]:
     """Every record of ``topic`` from its beginning to the end offsets at the call, in partition/offset order
-    (audits and tools; no consumer group, nothing committed)."""
-    admin = make_admin(cfg, "reader")
+    (catch-ups, audits, tools; no consumer group, nothing committed). Raises ``UnknownTopicOrPartitionError``
+    for a topic without partitions and ``TimeoutError`` when the end is not reached within ``timeout_s``."""
+    consumer = make_consumer(cfg, role, None)
     try:
-        parts = partitions_of(admin, topic)
-        ends = end_offsets(admin, topic, parts)
-    finally:
-        admin.close()
-    consumer = make_consumer(cfg, "reader", None)
-    try:
-        tps = [TopicPartition(topic, p) for p in parts]
+        tps = [TopicPartition(topic, p) for p in sorted(require_partitions(consumer, topic))]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
-        out: dict[int, list[ConsumerRecord]] = {p: [] for p in parts}
+        ends = consumer.end_offsets(tps)
+        out: dict[TopicPartition, list[ConsumerRecord]] = {tp: [] for tp in tps}
         deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < ends[tp.partition] for tp in tps):
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {topic}: not at its end offsets {ends} within {timeout_s:.0f}s")
-            for tp, msgs in poll(consumer, 500).items():
-                out[tp.partition] += [m for m in msgs if m.offset < ends[tp.partition]]
-        return [m for p in parts for m in out[p]]
+                raise TimeoutError(f"topic {topic!r}: its end was not reached within {timeout_s:.0f}s")
+            for tp, msgs in poll(consumer, 200).items():
+                out[tp] += [m for m in msgs if m.offset < ends[tp]]
+        return [m for tp in tps for m in out[tp]]
     finally:
         consumer.close()
 

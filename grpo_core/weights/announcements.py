@@ -7,12 +7,11 @@ compacted topic, so the latest version of every run is always there for a produc
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import Partition, Record, make_consumer, poll, send_acked
+from grpo_core.kafka_io import Record, UnknownTopicOrPartitionError, read_topic, send_acked
 from grpo_core.weights.common import WeightFetchError
 
 log = logging.getLogger("grpo_core.weights")
@@ -40,28 +39,18 @@ def read_announcements(kafka: KafkaConfig, topic: str, run: str,
     ran. The highest version (-1 if none) is what is still retained. Undecodable or mis-keyed records are skipped
     with a warning. Raises WeightFetchError if the topic is missing or the end is not reached within
     ``timeout_s``."""
-    consumer = make_consumer(kafka, "weights-catchup", None)
     try:
-        parts = consumer.partitions_for_topic(topic)
-        if not parts:
-            raise WeightFetchError(f"weights topic {topic!r} not found (run `grpo-stream topics create`)")
-        tps = [Partition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        key, latest, highest = run.encode(), None, -1
-        deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise WeightFetchError(f"weights topic {topic!r}: end not reached within {timeout_s:.0f}s")
-            for msgs in poll(consumer, 200).values():
-                for msg in msgs:
-                    if msg.key == key and msg.offset < ends[Partition(msg.topic, msg.partition)]:
-                        latest = _apply_announcement(msg, run, latest)
-                        highest = max(highest, latest.version if latest is not None else -1)
-        return latest, highest
-    finally:
-        consumer.close()
+        records = read_topic(kafka, topic, timeout_s, role="weights-catchup")
+    except UnknownTopicOrPartitionError:
+        raise WeightFetchError(f"weights topic {topic!r} not found (run `grpo-stream topics create`)") from None
+    except TimeoutError as exc:
+        raise WeightFetchError(f"weights topic {topic!r}: end not reached within {timeout_s:.0f}s") from exc
+    key, latest, highest = run.encode(), None, -1
+    for msg in records:
+        if msg.key == key:
+            latest = _apply_announcement(msg, run, latest)
+            highest = max(highest, latest.version if latest is not None else -1)
+    return latest, highest
 
 
 def _apply_announcement(msg: Record, run: str,

@@ -34,7 +34,7 @@ from grpo_core.stats import group_stats
 from grpo_verifiers.assembly import GroupAssembler, Ready
 from grpo_verifiers.config import VerifierConfig
 from grpo_verifiers.metrics import VerifierMetrics
-from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult
+from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult, failures
 
 log = logging.getLogger("verifier")
 
@@ -194,7 +194,7 @@ class Verifier:
         for s in scored:
             m.reward_seconds.observe(s.seconds)
             if s.error:
-                m.reward_errors.labels(reason=s.error.split(":", 1)[0]).inc()
+                m.reward_errors.labels(reason=failures.kind(s.error)).inc()
             if s.failed:
                 m.reward_failed.inc()
         restarts = int(self.pool.stats().get("restarts", 0))

@@ -404,7 +404,7 @@ class RewardPool:
     def _finish(self, job: _Job) -> RewardResult:
         for out in job.outcomes:
             if out is not None and out.error:
-                self._errors[out.error.split(":", 1)[0]] += 1
+                self._errors[failures.kind(out.error)] += 1
         return _combine(job)
 
     @staticmethod

@@ -16,6 +16,7 @@ again after a replay is the same one); ``dead_repeats`` says how many extra copi
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,19 +98,23 @@ def _checkpointed_lineage(out_dir: Path) -> tuple[int, dict[int, int], list[dict
     return ckpt.step, {int(p): int(o) for p, o in ckpt.meta["offsets"].items()}, lines
 
 
-def _account(audit: Audit, lines: list[dict[str, Any]], position: dict[int, int], ends: dict[int, int]) -> None:
+def offset_hits(lines: Iterable[dict[str, Any]]) -> collections.Counter[tuple[int, int]]:
+    """How often each ``(partition, offset)`` of ``groups`` appears in lineage ``lines``: trained, dropped with a
+    reason, or inside an operator_skip range (exactly once, when the promise holds)."""
     hits: collections.Counter[tuple[int, int]] = collections.Counter()
-    trained: collections.Counter[str] = collections.Counter()
     for line in lines:
-        for e in line["trained"]:
+        for e in (*line["trained"], *line["dropped"]):
             hits[(e["partition"], e["offset"])] += 1
-            trained[e["group_id"]] += 1
-        for e in line["dropped"]:
-            hits[(e["partition"], e["offset"])] += 1
-            audit.dropped[e["reason"].split(":", 1)[0]] += 1
         for r in line.get("operator_skip", []):
             for o in range(r["from"], r["to"]):
                 hits[(r["partition"], o)] += 1
+    return hits
+
+
+def _account(audit: Audit, lines: list[dict[str, Any]], position: dict[int, int], ends: dict[int, int]) -> None:
+    hits = offset_hits(lines)
+    trained = collections.Counter(e["group_id"] for line in lines for e in line["trained"])
+    audit.dropped.update(e["reason"].split(":", 1)[0] for line in lines for e in line["dropped"])
     audit.trained, audit.trained_twice = len(trained), sum(1 for n in trained.values() if n > 1)
     for p, end in ends.items():
         below = position.get(p, 0)

@@ -30,12 +30,12 @@ from grpo_core import wire
 from grpo_core.config import KafkaConfig, load_config
 from grpo_core.contract import PipelineContract
 from grpo_core.jsonl import read_lines
-from grpo_core.kafka_io import consumer_lag, make_admin, make_producer, read_topic
+from grpo_core.kafka_io import consumer_lag, end_offsets, make_admin, make_producer, partitions_of, read_topic
 from grpo_core.topics import ensure_topics
-from grpo_stream.audit import Audit, audit_run, format_audit
+from grpo_stream.audit import Audit, audit_run, format_audit, offset_hits
 from grpo_stream.broker import LocalBroker, restartable_port
 from grpo_stream.configs import shipped_config
-from grpo_stream.run import RunConfig, Supervisor, role_configs, write_configs
+from grpo_stream.run import Child, RunConfig, Supervisor, read_metrics, role_configs, write_configs
 
 log = logging.getLogger("chaos")
 KILLABLE = ("producer", "verifier", "learner", "feeder")
@@ -149,8 +149,7 @@ class Chaos:
 
     def _step(self) -> int:
         """The highest learner step so far (a restarted learner repeats steps from its checkpoint)."""
-        lines = read_lines(self.cfg.out / "metrics.jsonl") if (self.cfg.out / "metrics.jsonl").exists() else []
-        return max((int(line.get("step", 0)) for line in lines), default=0)
+        return max((int(line.get("step", 0)) for line in read_metrics(self.cfg.out / "metrics.jsonl")), default=0)
 
     def _do(self, event: str) -> None:
         log.info("chaos at learner step %d: %s", self._step(), event)
@@ -201,24 +200,30 @@ class Chaos:
         self.result.kills[child.name] = self.result.kills.get(child.name, 0) + 1
 
     def _drained(self) -> bool:
-        """The feed is done and every role's consumer group has consumed everything before it."""
+        """The feed is done, producers and verifiers consumed everything before them, and the learner's steps
+        account for every ``groups`` offset. Its lineage says so, not its consumer group: that commits past the
+        groups it has only read (queued for the next step)."""
         feeder = self.sup.child("feeder")
         if not (feeder.done and feeder.proc is not None and feeder.proc.returncode == 0):
             return False
         admin = make_admin(self.kafka)
         try:
             lags = [consumer_lag(admin, self.contract.group(g), self.contract.topic(t))
-                    for g, t in (("producers", "prompts"), ("verifiers", "completions"), ("learner", "groups"))]
+                    for g, t in (("producers", "prompts"), ("verifiers", "completions"))]
+            groups = self.contract.topic("groups")
+            end = sum(end_offsets(admin, groups, partitions_of(admin, groups)).values())
         finally:
             admin.close()
-        return all(lag and sum(lag.values()) == 0 for lag in lags)
+        accounted = len(offset_hits(read_lines(self.cfg.out / "lineage.jsonl")))
+        return all(lag and sum(lag.values()) == 0 for lag in lags) and accounted >= end
 
     def _states(self) -> dict[str, str]:
-        def state(c: object) -> str:
-            proc = c.proc  # type: ignore[attr-defined]
-            if proc is not None and proc.poll() is None:
+        def state(c: Child) -> str:
+            if c.proc is not None and c.proc.poll() is None:
                 return "running"
-            return "finished" if c.done and proc is not None and proc.returncode in (0, -signal.SIGTERM) else "down"  # type: ignore[attr-defined]
+            clean = c.proc is not None and c.proc.returncode in (0, -signal.SIGTERM)
+            return "finished" if c.done and clean else "down"
+
         return {c.name: state(c) for c in self.sup.children}
 
 

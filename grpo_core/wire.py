@@ -222,14 +222,14 @@ class ScoredGroup(Record):
                                 f"group has {self.group_size}")
             if c.index in seen:
                 raise WireError(f"completions: index {c.index} twice")
-            if c.policy_version != self.policy_version:
-                raise WireError(f"completions: index {c.index} has version {c.policy_version}, "
-                                f"group has {self.policy_version} (a group is never split across versions)")
+            if c.policy_version < self.policy_version:
+                raise WireError(f"completions: index {c.index} has version {c.policy_version}, older than the "
+                                f"group's {self.policy_version} (a group's version is its oldest member's)")
             seen.add(c.index)
 
     @property
     def newest_version(self) -> int:
-        """The newest version behind any member's tokens (``policy_version`` is the oldest: they all start there)."""
+        """The newest version behind any member's tokens (``policy_version`` is the oldest)."""
         return max((c.newest_version for c in self.completions), default=self.policy_version)
 
     def valid_part(self) -> ScoredGroup:

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
 from grpo_core.contract import PipelineContract, check_staleness_bound
 from grpo_core.weights.config import WeightStoreConfig
 from grpo_producers.backends.base import BackendConfig, SamplingConfig
+
+SwapMode = Literal["auto", "inflight", "between_batches"]
+
+
+@dataclass
+class ProducerWeights(WeightStoreConfig):
+    """Where announced weights come from (the shared store settings) and when the producer swaps to them."""
+
+    swap: SwapMode = opt(
+        "auto", "inflight: continuous generation (max_inflight_groups groups in the engine; each group published "
+        "when it finishes) and new weights loaded under the requests in flight (pause -> reload -> resume; a "
+        "completion may then span versions, recorded per token); between_batches: batches of prompts_per_batch, "
+        "weights swapped only between them. auto: inflight on vllm, between_batches on hf (no continuous engine).")
 
 
 @dataclass
@@ -22,8 +36,17 @@ class ProducerConfig:
     backend: BackendConfig = opt(factory=lambda: BackendConfig(model=""), help="Generation engine (hf|vllm).")
     sampling: SamplingConfig = opt(factory=SamplingConfig, help="Sampling parameters (max_tokens: at most "
                                                                 "pipeline.max_new_tokens, the default).")
-    weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where announced weights are fetched from.")
-    prompts_per_batch: int = opt(8, "Prompts taken per generation batch (batch = prompts x G sequences).")
+    weights: ProducerWeights = opt(factory=ProducerWeights, help="Where announced weights are fetched from, and "
+                                                                 "when they are swapped in (weights.swap).")
+    prompts_per_batch: int = opt(8, "weights.swap=between_batches: prompts taken per generation batch "
+                                    "(batch = prompts x G sequences).")
+    max_inflight_groups: int = opt(
+        0, "weights.swap=inflight: prompt groups kept in the engine; a new prompt is taken the moment one "
+           "finishes. 0: the engine's capacity, its max concurrent sequences // G.")
+    max_groups: int = opt(0, "weights.swap=inflight: stop after publishing this many groups (0: run until stopped).")
+    stop_drain_s: float = opt(
+        20.0, "weights.swap=inflight: on stop, finish the groups in flight for at most this long; the rest are "
+              "aborted, their prompts left uncommitted for the next producer.")
     max_backlog_groups: int = opt(
         0, "Pause while groups not yet consumed by the learner (+ unscored ones) reach this. 0: no limit. Live. "
         "Keep it >= the learner's groups_per_batch, or the learner never gets a full batch.")
@@ -38,12 +61,12 @@ class ProducerConfig:
     weights_catchup_s: float = opt(
         60.0, "At start-up, read the weights topic to its end within this long (then exit with the reason), so the "
               "newest announced version is known, and loaded, before the first batch.")
-    follow_weights: bool = opt(True, "Hot-swap to newer announced weights between batches.")
+    follow_weights: bool = opt(True, "Hot-swap to newer announced weights (when: weights.swap).")
     apply_chat_template: bool = opt(False, "Wrap prompt text with the tokenizer's chat template when it has one.")
     max_poll_interval_ms: int = opt(600_000, "Consumer max.poll.interval: longer than one generation batch.")
     session_timeout_ms: int = opt(
         15_000, "Consumer session timeout: how soon the group notices a dead producer and re-assigns its prompts.")
-    max_batches: int = opt(0, "Stop after this many batches (0: run until stopped).")
+    max_batches: int = opt(0, "weights.swap=between_batches: stop after this many batches (0: run until stopped).")
     max_failed_batches: int = opt(
         3, "Exit (to be restarted) when this many batches in a row fail to generate: a broken engine. Each failed "
            "batch before that is retried once, then its prompts are dead-lettered (one bad prompt fails one batch).")
@@ -60,11 +83,24 @@ class ProducerConfig:
         require(self.backpressure_poll_s > 0, "backpressure_poll_s: must be > 0")
         require(self.weights_catchup_s > 0, "weights_catchup_s: must be > 0")
         require(self.max_failed_batches >= 1, "max_failed_batches: must be >= 1")
+        require(self.max_inflight_groups >= 0, "max_inflight_groups: must be >= 0 (0: the engine's capacity)")
+        require(self.max_groups >= 0, "max_groups: must be >= 0 (0: no limit)")
+        require(self.stop_drain_s >= 0, "stop_drain_s: must be >= 0")
+        require(self.swap_mode == "between_batches" or self.backend.kind == "vllm",
+                f"weights.swap=inflight: backend.kind={self.backend.kind} has no continuous engine; use vllm, or "
+                "weights.swap: between_batches (or auto)")
         s = self.sampling
         require(self.pipeline.logprobs != "sampling" or s.temperature == 0 or (s.top_p == 1 and s.top_k == 0),
                 f"sampling.top_p={s.top_p} / top_k={s.top_k} with pipeline.logprobs=sampling: the engine's "
                 "logprobs would be of the renormalised nucleus, which the learner cannot recompute; set top_p: 1 "
                 "and top_k: 0, or pipeline.logprobs: raw")
+
+    @property
+    def swap_mode(self) -> Literal["inflight", "between_batches"]:
+        """weights.swap with auto resolved for the backend."""
+        if self.weights.swap == "auto":
+            return "inflight" if self.backend.kind == "vllm" else "between_batches"
+        return self.weights.swap
 
     @property
     def version_lag(self) -> int:

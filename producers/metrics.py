@@ -1,4 +1,4 @@
-"""The producer's metrics, declared once; the service feeds them after each batch."""
+"""The producer's metrics, declared once; the loops feed them after each batch or group."""
 
 from __future__ import annotations
 
@@ -29,4 +29,11 @@ class ProducerMetrics:
         self.weight_errors = Counter(p + "weight_fetch_errors_total", "Failed weight fetches", registry=r)
         self.batch_seconds = Histogram(p + "batch_seconds", "Generation time per batch", registry=r,
                                        buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+        self.inflight = Gauge(p + "inflight_groups", "Groups in the engine (weights.swap=inflight)", registry=r)
+        self.engine_busy = Counter(p + "engine_busy_seconds_total", "Seconds with at least one group in the "
+                                   "engine (weights.swap=inflight); its rate is the engine's busy fraction",
+                                   registry=r)
+        self.aborted_stale = Counter(p + "aborted_stale_total", "Groups aborted in the engine and generated again "
+                                     "because their oldest version fell more than pipeline.max_staleness behind "
+                                     "the newest announced one (the learner would drop them)", registry=r)
         self.dead = dead_letter_counter(r, "producer")

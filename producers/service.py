@@ -1,5 +1,8 @@
 """The producer process: prompts -> G completions each -> the completions topic (``grpo-stream producer``).
 
+Two loops over the same pieces, picked by ``weights.swap``: ``inflight`` (the default on vLLM) is the
+continuous loop of :mod:`grpo_producers.continuous`; ``between_batches`` is the batch loop below.
+
 Per batch: wait while backpressure says so (polling weight announcements meanwhile) -> hot-swap to newer
 weights -> take up to ``prompts_per_batch`` prompts -> generate G samples each with one policy version ->
 publish every completion and wait for the broker's acks -> only then commit the prompts' offsets
@@ -16,7 +19,10 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer
 
@@ -41,9 +47,10 @@ from grpo_core.retry import retry
 from grpo_core.weights import WeightFetcher, WeightFetchError
 from grpo_core.weights.subscriber import Swap, WeightSubscriber
 from grpo_producers.backends import make_backend
-from grpo_producers.backends.base import Sample
+from grpo_producers.backends.base import Sample, StreamingBackend
 from grpo_producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
 from grpo_producers.config import ProducerConfig
+from grpo_producers.continuous import ContinuousLoop
 from grpo_producers.metrics import ProducerMetrics
 
 log = logging.getLogger("producer")
@@ -63,7 +70,7 @@ class Producer:
         self.cfg = cfg
         self.id = cfg.producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = ProducerMetrics()
-        self.backend = make_backend(cfg.backend_config())
+        self.backend = make_backend(cfg.backend_config(), streaming=cfg.swap_mode == "inflight")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.backend.tokenizer or cfg.backend.model)
         self.sampling = cfg.sampling_params()
         self.sender = make_producer(cfg.kafka, "producer")
@@ -91,6 +98,9 @@ class Producer:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> int:
+        """Batches (``between_batches``) or groups (``inflight``) published until stopped or done."""
+        if self.cfg.swap_mode == "inflight":
+            return ContinuousLoop(self, cast(StreamingBackend, self.backend)).run()
         while not self.stopping and not (self.cfg.max_batches and self.batches >= self.cfg.max_batches):
             swap = self.wait_until_allowed()
             if self.stopping:
@@ -127,13 +137,7 @@ class Producer:
             self.weights.poll()
             swap = self._try_swap() or swap
             self.metrics.newest_version.set(self.weights.newest_version)
-            try:
-                backlog = self.backlog.groups() if knobs.max_backlog_groups > 0 else None
-            except BrokerError as exc:  # cannot tell how far ahead we are: wait rather than run away
-                log.warning("backlog unknown (%s); pausing", exc)
-                backlog = knobs.max_backlog_groups
-            if backlog is not None:
-                self.metrics.backlog.set(backlog)
+            backlog = self.measured_backlog(knobs)
             reason = pause_reason(knobs, backlog, self.weights.version, self.weights.newest_version)
             if not reason:
                 return swap
@@ -144,11 +148,24 @@ class Producer:
             self.metrics.paused.labels(reason=reason).inc(self.cfg.backpressure_poll_s)
         return swap
 
-    def _try_swap(self) -> Swap | None:
+    def measured_backlog(self, knobs: Knobs) -> int | None:
+        """The backlog in groups (None: the limit is off, nothing measured)."""
+        if knobs.max_backlog_groups <= 0:
+            return None
+        try:
+            backlog = self.backlog.groups()
+        except BrokerError as exc:  # cannot tell how far ahead we are: wait rather than run away
+            log.warning("backlog unknown (%s); pausing", exc)
+            backlog = knobs.max_backlog_groups
+        self.metrics.backlog.set(backlog)
+        return backlog
+
+    def _try_swap(self, load: Callable[[Path], None] | None = None) -> Swap | None:
+        """Fetch and ``load`` (default: the backend's between-batch load) newer announced weights, if any."""
         if not self.cfg.follow_weights:
             return None
         try:
-            swap = self.weights.maybe_swap(self.backend.load_weights)
+            swap = self.weights.maybe_swap(load or self.backend.load_weights)
         except WeightFetchError:
             self.metrics.weight_errors.inc()
             return None
@@ -159,9 +176,9 @@ class Producer:
         return swap
 
     # ---- one batch ---------------------------------------------------------------------------------
-    def take_prompts(self) -> tuple[list[Job], dict[Partition, int]]:
-        """Poll up to a batch of prompts; dead-letter the ones that cannot be generated."""
-        polled = poll(self.prompts, 1000, self.cfg.prompts_per_batch)
+    def take_prompts(self, limit: int | None = None, timeout_ms: int = 1000) -> tuple[list[Job], dict[Partition, int]]:
+        """Poll up to ``limit`` (default: a batch of) prompts; dead-letter the ones that cannot be generated."""
+        polled = poll(self.prompts, timeout_ms, limit or self.cfg.prompts_per_batch)
         jobs, next_offsets = [], {}
         for tp, msgs in polled.items():
             for msg in msgs:
@@ -209,9 +226,19 @@ class Producer:
                 self.dead.send(job.msg, f"generation_error: prompt {job.task.prompt_id}")
             return
         self.failed_batches = 0
+        tokens = self.publish(list(zip(jobs, samples, strict=True)), version, gen_s)
+        if swap is not None:
+            self.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
+        self.metrics.batch_seconds.observe(gen_s)
+        self.metrics.tokens_per_s.set(tokens / max(gen_s, 1e-9))
+        self.metrics.completions_per_s.set(len(jobs) * self.cfg.pipeline.group_size / max(gen_s, 1e-9))
+        log.info("v%d: %d groups, %d tokens in %.2fs", version, len(jobs), tokens, gen_s)
+
+    def publish(self, groups: list[tuple[Job, list[Sample]]], version: int, gen_s: float) -> int:
+        """Send every completion of ``groups`` and wait for the broker's acks; the tokens published."""
         futures = []
         attempt = uuid.uuid4().hex[:12]
-        for job, group in zip(jobs, samples, strict=True):
+        for job, group in groups:
             for index, sample in enumerate(group):
                 record = self._completion(job, index, sample, version, attempt, gen_s)
                 send = functools.partial(self.sender.send, self.cfg.pipeline.topic("completions"),
@@ -219,17 +246,12 @@ class Producer:
                 futures.append((send(), send))
         for future, send in futures:  # every completion acknowledged before the prompt offsets are committed
             acked(future, send, f"producer: completions of {self.cfg.pipeline.topic('prompts')}")
-        if swap is not None:
-            self.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
-        tokens = sum(len(s.token_ids) for group in samples for s in group)
+        tokens = sum(len(s.token_ids) for _, group in groups for s in group)
         self.metrics.tokens.inc(tokens)
         self.metrics.completions.inc(len(futures))
-        self.metrics.groups.inc(len(jobs))
-        self.metrics.batch_seconds.observe(gen_s)
-        self.metrics.tokens_per_s.set(tokens / max(gen_s, 1e-9))
-        self.metrics.completions_per_s.set(len(futures) / max(gen_s, 1e-9))
-        log.info("v%d: %d groups, %d tokens in %.2fs", version, len(jobs), tokens, gen_s)
+        self.metrics.groups.inc(len(groups))
         self.liveness.progressed()
+        return tokens
 
     def _generate(self, prompts: list[list[int]]) -> list[list[Sample]] | None:
         """One retry for a failed batch (a transient engine hiccup); then the caller dead-letters it."""
@@ -249,11 +271,13 @@ class Producer:
     def _completion(self, job: Job, index: int, sample: Sample, version: int, attempt: str,
                     gen_s: float) -> wire.Completion:
         t = job.task
+        spans = sample.spans or ((version, 0),)  # (version, first token): more than one after an in-flight swap
         return wire.Completion(
             group_id=t.group_id, index=index, group_size=self.cfg.pipeline.group_size, prompt_id=t.prompt_id,
             task=t.task,
             prompt_token_ids=job.prompt_ids, completion_token_ids=sample.token_ids,
-            behaviour_logprobs=sample.logprobs, policy_version=version, producer_id=self.id,
+            behaviour_logprobs=sample.logprobs, policy_version=spans[0][0], producer_id=self.id,
+            later_versions=[v for v, _ in spans[1:]], later_starts=[start for _, start in spans[1:]],
             finish_reason=sample.finish_reason, prompt=t.prompt, completion=sample.text, epoch=t.epoch,
             metadata={**t.metadata, "attempt": attempt}, logprob_temperature=self.cfg.logprob_temperature(),
             timings={"generate_s": gen_s, "published_at": time.time(), "prompt_created_at": t.created_at})
@@ -277,7 +301,8 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
     producer = Producer(cfg)
 
     def run() -> None:
-        log.info("producer %s stopped after %d batches", producer.id, producer.run())
+        unit = "groups" if cfg.swap_mode == "inflight" else "batches"
+        log.info("producer %s stopped after %d %s", producer.id, producer.run(), unit)
 
     def health() -> tuple[bool, dict[str, object]]:
         refused, (live, detail) = producer.weights.refused, producer.liveness.check()
@@ -286,4 +311,5 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
                     "failed_batches": producer.failed_batches, **detail}
 
     return serve(producer.metrics.registry, cfg.metrics, health, run, producer.stop,
-                 producer.close, "finishing the current batch")
+                 producer.close, "finishing the groups in flight" if cfg.swap_mode == "inflight"
+                 else "finishing the current batch")

@@ -596,10 +596,15 @@ def test_negative_policy_version_and_unknown_finish_reason() -> None:
     assert_rejected(body, "finish_reason", "timeout")
 
 
-def test_group_with_mixed_policy_versions() -> None:
+def test_a_group_has_its_oldest_members_version() -> None:
+    # A member that had sampled nothing when an in-flight swap came starts at the newer version.
     body = to_dict(small_group(version=3))
     body["completions"][2]["policy_version"] = 4
-    assert_rejected(body, "version 4", "group has 3", expected=wire.ScoredGroup)
+    back = wire.decode(pack(body), wire.ScoredGroup)
+    assert (back.policy_version, back.newest_version) == (3, 4)
+    body = to_dict(small_group(version=3))
+    body["completions"][2]["policy_version"] = 2
+    assert_rejected(body, "version 2", "older than the group's 3", expected=wire.ScoredGroup)
 
 
 def test_group_with_duplicate_index() -> None:
@@ -834,7 +839,7 @@ INVALID_AT_SOURCE: list[Any] = [
     pytest.param(small_completion, _set("index", 4), id="index>=group_size"),
     pytest.param(small_completion, _set("finish_reason", "nope"), id="finish-reason"),
     pytest.param(small_completion, _set("behaviour_logprobs", np.full(8, 0.5, np.float32)), id="positive-lp"),
-    pytest.param(small_group, lambda g: setattr(g.completions[1], "policy_version", 99), id="mixed-versions"),
+    pytest.param(small_group, lambda g: setattr(g.completions[1], "policy_version", 2), id="member-older-than-group"),
     pytest.param(small_group, lambda g: g.completions.pop(), id="too-few-members"),
     pytest.param(small_group, _set("rewards", [1.0]), id="rewards-count"),
     pytest.param(lambda: SAMPLES[wire.WeightsAnnouncement], _set("sha256", "x"), id="bad-sha"),

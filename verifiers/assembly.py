@@ -2,7 +2,8 @@
 
 Completions of one group share a key, so they arrive in one partition, in order. A group is complete when one
 *attempt* has all G members (a producer that crashed mid-batch and was re-run publishes a second attempt:
-members of different attempts are never mixed, so a group never spans two generations or versions).
+members of different attempts are never mixed, so a group never spans two generations; its version is its
+oldest member's, as an in-flight weight update can start some members under a newer one).
 Duplicates -- the same (group, attempt, index), or anything of a group already published -- are ignored.
 
 The offset rule (the low watermark): a completions offset may be committed only when every record at or below

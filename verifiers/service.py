@@ -170,9 +170,10 @@ class Verifier:
         valid = [s.reward for s in scored if not s.failed]
         mean, std = group_stats(valid, self.cfg.pipeline.stats_eps) if valid else (0.0, 0.0)
         first = r.members[0].completion
+        oldest = min(m.completion.policy_version for m in r.members)  # members may start under newer weights
         errors = [s.error for s in scored if s.error]
         record = wire.ScoredGroup(
-            group_id=r.group_id, prompt_id=first.prompt_id, task=first.task, policy_version=first.policy_version,
+            group_id=r.group_id, prompt_id=first.prompt_id, task=first.task, policy_version=oldest,
             completions=[m.completion for m in r.members], rewards=rewards, reward_mean=mean, reward_std=std,
             verifier_id=self.id, group_size=first.group_size, partial=r.partial,
             reward_info={"errors": errors[:16]} if errors else {}, scored_at=wire.now(), failed=failed)

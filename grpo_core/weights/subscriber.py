@@ -1,5 +1,6 @@
 """The producer's weight subscription: follow the learner's announcements, fetch and verify newer weights,
-and hand them to the backend between batches (never mid-batch: a group is never split across versions).
+and hand them to the backend: between batches, or under the requests in flight (the producer's ``weights.swap``;
+a completion then records which version sampled which tokens).
 
 A weight file that is missing or corrupt is retried by the fetcher with backoff; if it still fails, the failure
 is reported and the producer keeps generating with the weights it has, trying again after ``retry_after_s``.

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -73,6 +73,9 @@ class Sample:
     logprobs: np.ndarray  # float32 [T]: raw log pi(token | prefix) at temperature 1 (see the module docstring)
     finish_reason: FinishReason  # "stop": EOS or a stop string; "length": max_tokens reached
     text: str  # decoded completion (special tokens such as EOS skipped); ends with the stop string if one hit
+    # (version, first token index) of each policy version that sampled its tokens, oldest first, the first at
+    # index 0 (in-flight weight updates; see vllm_async). Empty: one version, the caller's, for every token.
+    spans: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Cheap invariants every consumer relies on (the wire record checks the same lengths again).
@@ -102,6 +105,25 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the engine (worker processes, memory). The backend is unusable afterwards."""
         ...
+
+
+@runtime_checkable
+class StreamingBackend(Backend, Protocol):
+    """A backend that also generates continuously (the producer's ``weights.swap: inflight`` loop): groups are
+    submitted one at a time, come back as each finishes, and weights change under requests in flight."""
+
+    def submit(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
+               seed: int | None = None) -> None: ...
+
+    def finished(self, timeout: float) -> list[Any]: ...
+
+    def abort(self, key: str) -> bool: ...
+
+    def inflight(self) -> int: ...
+
+    def capacity(self) -> int: ...
+
+    def swap(self, model_dir: Path, version: int) -> None: ...
 
 
 @dataclass
@@ -155,12 +177,25 @@ def _make_vllm(cfg: BackendConfig) -> Backend:
     return VLLMBackend(cfg)
 
 
+def _make_vllm_async(cfg: BackendConfig) -> StreamingBackend:
+    from grpo_producers.backends.vllm_async import AsyncVLLMEngine
+
+    return AsyncVLLMEngine(cfg)
+
+
 BACKENDS: dict[BackendKind, Callable[[BackendConfig], Backend]] = {"hf": _make_hf, "vllm": _make_vllm}
+# Backends that can generate continuously (weights.swap: inflight); hf has only the batch path.
+STREAMING: dict[BackendKind, Callable[[BackendConfig], StreamingBackend]] = {"vllm": _make_vllm_async}
 
 
-def make_backend(cfg: BackendConfig) -> Backend:
-    """Validate ``cfg`` and build its backend (loads the model; vLLM also starts its engine processes)."""
+def make_backend(cfg: BackendConfig, streaming: bool = False) -> Backend:
+    """Validate ``cfg`` and build its backend (loads the model; vLLM also starts its engine processes);
+    ``streaming``: the continuous engine (:data:`STREAMING`)."""
     cfg.validate()
+    if streaming:
+        require(cfg.kind in STREAMING, f"backend.kind={cfg.kind}: no continuous engine (weights.swap: inflight "
+                                       f"needs one of {sorted(STREAMING)}); use weights.swap: between_batches")
+        return STREAMING[cfg.kind](cfg)
     return BACKENDS[cfg.kind](cfg)
 
 

@@ -1,0 +1,258 @@
+"""Continuous, interruptible generation on vLLM's ``AsyncLLM``: groups in, groups out as each one finishes.
+
+The producer's continuous loop (``producers/continuous.py``) keeps ``max_inflight_groups`` prompt groups in the
+engine. :class:`AsyncVLLMEngine` runs the engine on an asyncio loop of its own (one thread) so the loop's
+Kafka work never waits on generation and generation never waits on Kafka: :meth:`~AsyncVLLMEngine.submit`
+starts a group of ``n`` requests and returns; finished groups arrive on :meth:`~AsyncVLLMEngine.finished` in
+the order they finish, not the order they were submitted.
+
+**In-flight weight updates** (:meth:`~AsyncVLLMEngine.swap`): ``pause_generation(mode="keep")`` freezes every
+request, the worker reloads the weights in place (the tied-head fix of ``vllm``), ``resume_generation()``
+continues them. vLLM's pause clears the KV cache by default (``clear_cache=True``): running requests are
+preempted, so on resume their prefix -- prompt and the tokens sampled so far -- is *recomputed with the new
+weights* and every later token is sampled from the new policy given that prefix (PipelineRL keeps the old KV
+instead). Each token's behaviour logprob is what the engine returned when it sampled it, i.e. from the weights
+that sampled it; each sample's ``spans`` records ``(version, first token)`` for every version behind its tokens.
+
+The boundary of a span is the number of tokens a request had when the engine paused. Outputs of the steps
+before the pause leave the engine core before the pause completes but reach a request's stream through a few
+asyncio tasks, so the swap yields to the loop (``_DRAIN_S``) before it reads the counts; the vLLM test checks
+the boundary against an HF recompute with each version's weights.
+
+Also a :class:`~grpo_producers.backends.base.Backend` (``generate`` / ``load_weights``), so the batch loop runs
+on it too: one interface for both loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+
+T = TypeVar("T")
+_DRAIN_S = 0.05  # the loop's time to move outputs already emitted into the request streams (see above)
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Request:
+    """One sample being generated: what has arrived so far and which version sampled which tokens."""
+
+    rid: str
+    spans: list[tuple[int, int]]  # (version, first token index); the first starts at 0
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+    def new_version(self, version: int) -> None:
+        """From the next token on, ``version`` samples (a version that sampled nothing is replaced)."""
+        start = len(self.tokens)
+        if self.spans[-1][1] == start:
+            self.spans[-1] = (version, start)
+        else:
+            self.spans.append((version, start))
+
+    def sample(self) -> Sample:
+        if self.finish not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished request {self.rid} with reason {self.finish!r}")
+        finish: FinishReason = self.finish  # type: ignore[assignment]
+        spans = tuple(self.spans) if len(self.tokens) else ((self.spans[-1][0], 0),)
+        return Sample(np.asarray(self.tokens, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32),
+                      finish, "".join(self.text), spans=spans)
+
+
+@dataclass
+class Finished:
+    """A group that left the engine: its samples in index order, or why it failed."""
+
+    key: str
+    samples: list[Sample] | None
+    error: BaseException | None = None
+
+
+class AsyncVLLMEngine:
+    """vLLM's ``AsyncLLM`` behind a thread-safe, non-blocking group interface (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        self.cfg = cfg
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
+        self._thread.start()
+        self._groups: dict[str, concurrent.futures.Future[list[Sample]]] = {}
+        self._live: dict[str, _Request] = {}  # rid -> request, touched on the engine's loop only
+        self._done: queue.Queue[Finished] = queue.Queue()
+        self._lock = threading.Lock()
+        self.engine = self._call(self._start(cfg))
+        model_config = self.engine.model_config
+        self._max_context = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @staticmethod
+    async def _start(cfg: BackendConfig) -> Any:
+        from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from grpo_producers.backends.vllm import WeightReloadExtension
+
+        args = AsyncEngineArgs(
+            model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
+            gpu_memory_utilization=cfg.memory_utilization(on_cpu=current_platform.is_cpu()), seed=cfg.seed,
+            worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__name__}",
+            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs")
+        return AsyncLLM.from_engine_args(args)
+
+    def max_context(self) -> int:
+        return self._max_context
+
+    def capacity(self) -> int:
+        """Sequences the engine runs at once (``max_num_seqs``): what ``max_inflight_groups: 0`` sizes from."""
+        return int(self.engine.vllm_config.scheduler_config.max_num_seqs)
+
+    # ---- the continuous interface ------------------------------------------------------------------
+    def submit(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
+               seed: int | None = None) -> None:
+        """Start ``n`` samples of ``prompt`` under ``version``; the group arrives on :meth:`finished`.
+        ``seed``: this group's base seed (sample j gets ``seed + j``); None: the engine's stream."""
+        check_request([prompt], n, sampling, self._max_context, self.vocab_size)
+        fut = asyncio.run_coroutine_threadsafe(self._group(key, prompt, n, sampling, version, seed), self._loop)
+        with self._lock:
+            self._groups[key] = fut
+        fut.add_done_callback(lambda f: self._finish(key, f))
+
+    def _finish(self, key: str, fut: concurrent.futures.Future[list[Sample]]) -> None:
+        with self._lock:
+            if self._groups.get(key) is not fut:
+                return
+            del self._groups[key]
+        if fut.cancelled():
+            return  # aborted by the caller, who already forgot it
+        error = fut.exception()
+        self._done.put(Finished(key, None if error else fut.result(), error))
+
+    def finished(self, timeout: float) -> list[Finished]:
+        """Groups finished since the last call (waits up to ``timeout`` s for the first one)."""
+        out: list[Finished] = []
+        try:
+            out.append(self._done.get(timeout=timeout))
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            return out
+
+    def abort(self, key: str) -> bool:
+        """Stop a group's requests in the engine; it never arrives on :meth:`finished`. False if unknown."""
+        with self._lock:
+            fut = self._groups.pop(key, None)
+        if fut is None:
+            return False
+        fut.cancel()
+        return True
+
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+    def swap(self, model_dir: Path, version: int) -> None:
+        """Reload the weights with every request kept in flight; later tokens are ``version``'s."""
+        _require_weights(model_dir)
+        self._call(self._swap(str(model_dir), version))
+
+    async def _swap(self, path: str, version: int) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await asyncio.sleep(_DRAIN_S)
+            for req in self._live.values():
+                req.new_version(version)
+            await self.engine.collective_rpc("grpo_reload_weights", args=(path,))
+        finally:
+            await self.engine.resume_generation()
+
+    async def _group(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
+                     seed: int | None) -> list[Sample]:
+        reqs = [_Request(f"{key}/{j}/{uuid.uuid4().hex[:8]}", [(version, 0)]) for j in range(n)]
+        try:
+            await asyncio.gather(*(self._one(r, prompt, self._params(sampling, None if seed is None else seed + j))
+                                   for j, r in enumerate(reqs)))
+        except BaseException:
+            await self.engine.abort([r.rid for r in reqs])
+            raise
+        return [r.sample() for r in reqs]
+
+    async def _one(self, req: _Request, prompt: list[int], params: Any) -> None:
+        from vllm import TokensPrompt
+
+        self._live[req.rid] = req
+        try:
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt)), params, req.rid):
+                c = out.outputs[0]
+                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+                    raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
+                req.tokens += c.token_ids
+                req.logprobs += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
+                req.text.append(c.text)
+                if out.finished:
+                    req.finish = c.finish_reason
+        finally:
+            self._live.pop(req.rid, None)
+
+    @staticmethod
+    def _params(sampling: SamplingConfig, seed: int | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+            logprobs=0, seed=seed, output_kind=RequestOutputKind.DELTA)
+
+    # ---- the batch interface (Backend) -------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:
+        check_request(prompts, n, sampling, self._max_context, self.vocab_size)
+
+        async def batch() -> list[list[Sample]]:
+            seeds = [None if sampling.seed is None else sampling.seed + i * n for i in range(len(prompts))]
+            return list(await asyncio.gather(*(self._group(f"batch-{uuid.uuid4().hex[:8]}", p, n, sampling, 0, s)
+                                               for p, s in zip(prompts, seeds, strict=True))))
+
+        # Weights never change under a batch: one version, the caller's (no spans).
+        return [[dataclasses.replace(s, spans=()) for s in group] for group in self._call(batch())]
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Reload with nothing in flight (the batch loop swaps between batches); KV computed before is dropped."""
+        _require_weights(model_dir)
+        self._call(self.engine.collective_rpc("grpo_reload_weights", args=(str(model_dir),)))
+        self._call(self.engine.reset_prefix_cache())
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        del self.engine
+        for key in list(self._groups):
+            self.abort(key)
+        engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(_SHUTDOWN_TIMEOUT_S)
+
+
+def _require_weights(model_dir: Path) -> None:
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors file to load weights from")

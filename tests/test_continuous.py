@@ -1,0 +1,164 @@
+"""The producer's continuous loop (``weights.swap: inflight``) on a real broker and a real vLLM engine: groups
+finish out of order and the prompts' low watermark never passes an unfinished prompt, not even across kill -9;
+stale groups are aborted and generated again; completions spanning a swap carry both versions."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+from kafka import KafkaAdminClient, TopicPartition
+from test_producer_service import Running, _cfg, feed, other_weights, publisher_for, wait_for
+
+from grpo_core import wire
+from grpo_core.config import ConfigError, KafkaConfig, load_config, to_dict
+from grpo_core.contract import PipelineContract
+from grpo_core.kafka_io import committed_offsets, read_topic
+from grpo_producers.config import ProducerConfig
+from grpo_producers.continuous import PromptWatermark
+from grpo_stream.tiny_model import build_tiny_model
+
+G = 2
+VLLM = ("backend.kind=vllm", "weights.swap=inflight", "max_inflight_groups=6", "pipeline.max_new_tokens=48")
+
+
+# ------------------------------------------------------------------------------------------ the watermark
+
+
+def test_the_watermark_waits_for_the_lowest_unfinished_prompt() -> None:
+    tp, other = TopicPartition("p", 0), TopicPartition("p", 1)
+    marks = PromptWatermark()
+    for off in (3, 4, 5, 6):
+        marks.take(tp, off)
+    marks.read(tp, 7)
+    marks.read(other, 2)  # read there, nothing in flight (dead-lettered or undecodable): done
+    assert marks.commit_points() == {tp: 3, other: 2}
+    for off in (6, 4, 5):  # finish out of order: the point stays at the oldest unfinished prompt
+        marks.done(tp, off)
+        assert marks.commit_points()[tp] == 3
+    marks.done(tp, 3)
+    assert marks.commit_points() == {tp: 7, other: 2}
+    marks.read(tp, 5)  # offsets only move forward
+    assert marks.commit_points()[tp] == 7
+    marks.forget(tp)
+    assert marks.commit_points() == {other: 2}
+
+
+def test_swap_mode_resolves_per_backend_and_refuses_inflight_without_an_engine() -> None:
+    base = ["backend.model=/m"]
+    assert load_config(ProducerConfig, None, base).swap_mode == "between_batches"  # hf: batch path only
+    assert load_config(ProducerConfig, None, [*base, "backend.kind=vllm"]).swap_mode == "inflight"
+    assert load_config(ProducerConfig, None, [*base, "backend.kind=vllm", "weights.swap=between_batches"]
+                       ).swap_mode == "between_batches"
+    with pytest.raises(ConfigError, match="hf has no continuous engine"):
+        load_config(ProducerConfig, None, [*base, "weights.swap=inflight"])
+    with pytest.raises(ConfigError, match="max_inflight_groups"):
+        load_config(ProducerConfig, None, [*base, "max_inflight_groups=-1"])
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("vllm")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-continuous"))
+
+
+def by_offset(kafka_cfg: KafkaConfig, plan: PipelineContract) -> dict[tuple[int, int], str]:
+    """(partition, offset) -> group id of every prompt on the prompts topic."""
+    return {(m.partition, m.offset): wire.decode(m.value, wire.PromptTask).group_id
+            for m in read_topic(kafka_cfg, plan.topic("prompts"))}
+
+
+def groups_done(kafka_cfg: KafkaConfig, plan: PipelineContract) -> tuple[set[str], list[wire.Completion]]:
+    """Group ids with all G members of one attempt on the completions topic, and every completion."""
+    got = [wire.decode(m.value, wire.Completion) for m in read_topic(kafka_cfg, plan.topic("completions"))]
+    members: dict[tuple[str, str], set[int]] = defaultdict(set)
+    for c in got:
+        members[(c.group_id, c.metadata["attempt"])].add(c.index)
+    return {gid for (gid, _), idx in members.items() if len(idx) == G}, got
+
+
+def assert_watermark_kept(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, plan: PipelineContract) -> int:
+    """Every prompt below the committed offsets has a whole group published; returns how many are committed."""
+    committed = committed_offsets(admin, plan.group("producers"), plan.topic("prompts"))
+    done, _ = groups_done(kafka_cfg, plan)
+    below = [gid for (part, off), gid in by_offset(kafka_cfg, plan).items() if off < committed.get(part, 0)]
+    missing = [gid for gid in below if gid not in done]
+    assert not missing, f"committed past unfinished prompts {missing[:5]}"
+    return len(below)
+
+
+# ------------------------------------------------------------------------------------------ on the broker
+
+
+@pytest.mark.slow
+def test_out_of_order_groups_and_kill9_lose_no_prompt(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                     admin: KafkaAdminClient, plan: PipelineContract,
+                                                     tmp_path: Path) -> None:
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, *VLLM, "idle_timeout_s=8")
+    path = tmp_path / "continuous.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    ids = feed(kafka_cfg, plan, 40)
+    cmd = [sys.executable, "-m", "grpo_stream.cli", "producer", "--config", str(path)]
+    log = (tmp_path / "producer.log").open("ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    wait_for(lambda: len(groups_done(kafka_cfg, plan)[0]) >= 8, timeout_s=180, what="some groups")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.0)
+    committed = assert_watermark_kept(kafka_cfg, admin, plan)
+    assert committed < len(ids), "killed too late to test anything"
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "producer.log").read_text()[-3000:]
+    done, got = groups_done(kafka_cfg, plan)
+    assert done == set(ids), "every prompt's whole group is there"
+    assert assert_watermark_kept(kafka_cfg, admin, plan) == len(ids)
+    # Groups really finished out of order: publish order differs from prompt order on some partition.
+    order = by_offset(kafka_cfg, plan)
+    rank = {gid: off for (_, off), gid in order.items()}
+    part = {gid: p for (p, _), gid in order.items()}
+    firsts: dict[int, list[str]] = defaultdict(list)
+    for c in got:
+        if c.index == 0 and c.group_id not in firsts[part[c.group_id]]:
+            firsts[part[c.group_id]].append(c.group_id)
+    assert any(seq != sorted(seq, key=rank.__getitem__) for seq in firsts.values()), "no group overtook another"
+
+
+@pytest.mark.slow
+def test_stale_groups_are_aborted_and_generated_again(model_dir: Path, kafka_cfg: KafkaConfig,
+                                                     plan: PipelineContract, tmp_path: Path) -> None:
+    cfg = _cfg(model_dir, kafka_cfg, plan, tmp_path, *VLLM, "pipeline.max_staleness=1", "max_version_lag=1",
+               "pipeline.max_new_tokens=200", "sampling.max_tokens=200")
+    ids = feed(kafka_cfg, plan, 12)
+    files = other_weights(tmp_path)
+    publisher = publisher_for(cfg, kafka_cfg)
+    run = Running(cfg)
+    try:
+        p = run.producer
+        wait_for(lambda: p.metrics.inflight._value.get() >= 3, timeout_s=120, what="groups in flight")
+        for version in (1, 2, 3):  # a learner two steps ahead of every group in flight: all of them stale
+            publisher.announce(publisher.publish(version, files))
+        wait_for(lambda: p.weights.version == 3, what="the swap to v3")
+        swapped_at = time.time()
+        wait_for(lambda: len(groups_done(kafka_cfg, plan)[0]) == len(ids), timeout_s=240, what="every group")
+        aborted = p.metrics.aborted_stale._value.get()
+    finally:
+        run.stop()
+        publisher.close()
+    assert aborted >= 1
+    _, got = groups_done(kafka_cfg, plan)
+    assert Counter((c.group_id, c.index) for c in got) == {(g, i): 1 for g in ids for i in range(G)}, \
+        "aborted groups are never published; each prompt's group once"
+    late = [c for c in got if c.timings["published_at"] > swapped_at + 0.5]
+    assert late and all(c.policy_version >= 3 - 1 for c in late), "nothing beyond max_staleness after the swap"
+    spans = [c for c in got if c.later_versions]
+    assert all(c.policy_version < c.newest_version <= 3 for c in spans)

@@ -90,6 +90,11 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import producer
 
         return producer.main(bootstrap=args.bootstrap)
+    if args.what == "async":
+        from grpo_stream.bench import async_bench
+
+        return async_bench.main(budget_s=args.budget, repeats=args.repeats, target=args.target, short=args.short,
+                                out=args.out)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -173,11 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire", "learner", "producer", "verifier"])
+    b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async"])
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")
     b.add_argument("--steps", type=int, default=5, help="learner: timed steps per model")
+    b.add_argument("--budget", type=float, default=90.0, help="async: seconds per arm (from its first token)")
+    b.add_argument("--repeats", type=int, default=1, help="async: runs of every arm (min/median/max when > 1)")
+    b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")
+    b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
+    b.add_argument("--out", default="runs/bench-async", help="async: output directory")
     b.set_defaults(fn=_bench)
 
     r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")

@@ -42,7 +42,7 @@ WARM_START_BATCH = 32
 WARM_START_LR = 3e-3
 
 TaskFamilies = str | Sequence[str]
-WarmAnswers = Literal["random", "prompt_digit"]
+WarmAnswers = Literal["random", "prompt_digit", "shuffled"]
 
 
 def family_list(task_family: TaskFamilies) -> list[str]:
@@ -82,12 +82,15 @@ def _format_batch(rows: Sequence[tuple[list[int], list[int]]], eos_id: int) -> d
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _train_format(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[str], answer_set: list[str],
+def _train_format(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[str], targets: list[str],
                   steps: int, seed: int, max_seconds: float | None, answers: WarmAnswers = "random") -> int:
     """AdamW on random-answer batches; returns the steps taken (fewer only if ``max_seconds`` ran out).
 
     ``answers``: ``random`` draws each target from the family's answer set; ``prompt_digit`` draws it from the
-    digits that appear in the prompt (the format "copy one of the prompt's digits", still not *which* one)."""
+    digits that appear in the prompt (the format "copy one of the prompt's digits", still not *which* one);
+    ``shuffled`` is the prompt's own answer with its characters in a random order (multi-token answers: the
+    format "this many of these digits, then EOS", not their order)."""
+    answer_set = sorted(set(targets))
     rng = random.Random(seed)
     torch.manual_seed(seed)
     eos_id = int(tok.eos_token_id)
@@ -105,6 +108,9 @@ def _train_format(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[str]
         picks = [rng.randrange(len(prompt_ids)) for _ in range(WARM_START_BATCH)]
         if answers == "prompt_digit":
             rows = [(prompt_ids[i], digit_ids[rng.choice(prompt_digits[i])]) for i in picks]
+        elif answers == "shuffled":
+            rows = [(prompt_ids[i], tok("".join(rng.sample(targets[i], len(targets[i]))),
+                                        add_special_tokens=False)["input_ids"]) for i in picks]
         else:
             rows = [(prompt_ids[i], rng.choice(answer_ids)) for i in picks]
         loss = model(**_format_batch(rows, eos_id)).loss
@@ -157,7 +163,7 @@ def warm_start(model_dir: str | Path, task_family: TaskFamilies = "max", steps: 
     tok = AutoTokenizer.from_pretrained(src)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     prompts, targets = task_items(families, "train")
-    taken = _train_format(model, tok, prompts, sorted(set(targets)), steps, seed, max_seconds, answers)
+    taken = _train_format(model, tok, prompts, targets, steps, seed, max_seconds, answers)
     record["steps_taken"] = taken
     _save(model, tok, src, out, record)
     return out
@@ -242,12 +248,18 @@ def accuracy(predicted: Sequence[str], answers: Sequence[str]) -> float:
 
 
 def evaluate(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], answers: list[str],
-             max_tokens: int = 4, tokenizer: AutoTokenizer | None = None) -> float:
-    """Held-out accuracy: greedy completion (text before EOS, stripped) == answer, as a fraction of prompts.
+             max_tokens: int = 4, tokenizer: AutoTokenizer | None = None, reward: str = "exact") -> float:
+    """Held-out accuracy: greedy completion (text before EOS, stripped) == answer, as a fraction of prompts;
+    ``reward="positions"``: the mean partial credit of the ``positions`` reward instead (multi-token answers).
 
     ``model_or_dir``: a directory (loaded fresh) or a loaded model (its tokenizer from ``tokenizer`` or from
     the directory it was loaded from). Deterministic: greedy, fixed batching, float32.
     """
     model, tok = _load(model_or_dir, tokenizer)
     completions = greedy_generate(model, tok, prompts, max_tokens)
-    return accuracy([completion_answer(tok, c) for c in completions], answers)
+    said = [completion_answer(tok, c) for c in completions]
+    if reward == "positions":
+        from grpo_verifiers.rewards.builtins import positions
+
+        return sum(positions(s, "", {"answer": a})[0] for s, a in zip(said, answers, strict=True)) / len(answers)
+    return accuracy(said, answers)

@@ -54,9 +54,19 @@ class RunConfig:
     max_minutes: float = opt(0.0, "Stop the run after this long (0: when the learner reaches max_steps).")
     restart_backoff_s: float = opt(2.0, "First restart delay of a crashed child (doubles per crash).")
     max_restarts: int = opt(5, "Give up on a role after this many crashes (then the run fails).")
+    cpus: dict[str, list[int]] = opt(
+        factory=dict, help="CPUs per role (feeder, producer, verifier, learner), e.g. {producer: [0], learner: "
+        "[1]}: the supervisor pins each child of the role to them (its later threads and processes, a vLLM "
+        "engine's included, inherit the set). Absent: unpinned.")
 
     def validate(self) -> None:
         require(bool(self.learner), "learner: a run needs a learner section")
+        have = set(range(os.cpu_count() or 1))
+        for role, cpus in self.cpus.items():
+            require(role in ("feeder", "producer", "verifier", "learner"),
+                    f"cpus.{role}: not a role (feeder, producer, verifier, learner)")
+            require(bool(cpus) and set(cpus) <= have,
+                    f"cpus.{role}: {cpus} must be a non-empty subset of this machine's CPUs {sorted(have)}")
         for role, section in (("feeder", self.feeder), ("producers.config", self.producers.config),
                               ("verifiers.config", self.verifiers.config), ("learner", self.learner)):
             require("pipeline" not in section, f"{role}.pipeline: the contract is the run's pipeline section "
@@ -133,10 +143,13 @@ class Child:
     next_start: float = 0.0
     started_at: float = 0.0
     done: bool = False
+    cpus: set[int] | None = None
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      bufsize=1)
+        if self.cpus:  # before the child has started any thread or engine process of its own (imports take s)
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
 
@@ -171,7 +184,8 @@ class Supervisor:
             cmd.append(f"producer_id={name}")
         elif role == "verifier":
             cmd.append(f"verifier_id={name}")
-        child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink)
+        cpus = self.cfg.cpus.get(role)
+        child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink, cpus=set(cpus) if cpus else None)
         child.start()
         self.children.append(child)
         self.write_status()
@@ -181,16 +195,18 @@ class Supervisor:
         data = {c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children}
         (self.cfg.out / "children.json").write_text(json.dumps(data, indent=1))
 
-    def watch(self, deadline: float | None, on_tick: Callable[[], None] | None = None) -> None:
-        """Until the learner finishes, the deadline passes or a stop is requested: restart crashed children."""
+    def watch(self, deadline: float | None, on_tick: Callable[[], bool | None] | None = None) -> None:
+        """Until the learner finishes, the deadline passes, a stop is requested or ``on_tick`` returns True:
+        restart crashed children."""
         while not self.stopping:
             if deadline is not None and time.monotonic() > deadline:
                 log.info("time budget reached")
                 break
             if self.tick():
                 return
-            if on_tick is not None:
-                on_tick()
+            if on_tick is not None and on_tick():
+                log.info("stopped by the caller")
+                break
             time.sleep(0.5)
 
     def tick(self) -> bool:
@@ -329,9 +345,9 @@ class Progress:
 
 
 def execute(cfg: RunConfig, tty: bool | None = None,
-            on_tick: Callable[[], None] | None = None) -> tuple[dict[str, Any], int]:
+            on_tick: Callable[[], bool | None] | None = None) -> tuple[dict[str, Any], int]:
     """Run the pipeline described by ``cfg`` to its end; returns (summary, exit code). ``on_tick`` runs about
-    twice a second in the supervisor (the demo evaluates published weights from it)."""
+    twice a second in the supervisor (the demo evaluates published weights from it); True from it ends the run."""
     from grpo_core.kafka_io import make_admin
     from grpo_core.topics import ensure_topics
     from grpo_stream.broker import LocalBroker, free_port
@@ -361,10 +377,9 @@ def execute(cfg: RunConfig, tty: bool | None = None,
         if "feeder" in paths:
             sup.spawn("feeder", 0, paths["feeder"])
         deadline = started + 60 * cfg.max_minutes if cfg.max_minutes else None
-        def tick() -> None:
+        def tick() -> bool:
             progress.tick()
-            if on_tick is not None:
-                on_tick()
+            return bool(on_tick is not None and on_tick())
 
         sup.watch(deadline, tick)
     finally:

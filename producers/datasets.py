@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any, Literal
 from grpo_core.config import ConfigError, opt, require
 
 Source = Literal["jsonl", "hf", "synthetic"]
-SyntheticTask = Literal["max", "min", "add_small", "last_digit"]
+SyntheticTask = Literal["max", "min", "add_small", "last_digit", "copy", "reverse"]
 # on_bad(reason, where): reason is a short label (a metric label value), where is e.g. "data.jsonl:17".
 BadItemFn = Callable[[str, str], None]
 
@@ -231,9 +232,9 @@ def load_hf(cfg: HfConfig, name: str, on_bad: BadItemFn) -> Iterator[DatasetItem
 
 # ------------------------------------------------------------------------------------------ synthetic
 
-# Each family enumerates (key, prompt, answer). Single-digit answers on purpose: a format-only warm start hits
-# them by chance often enough (>= ~10%) for GRPO to get a learning signal on a tiny CPU model
-# (measured: "a + b" over digits 0-9, 19 answers, stayed at chance for 3,000 steps).
+# Each family enumerates (key, prompt, answer). The first four have single-digit answers on purpose: a
+# format-only warm start hits them by chance often enough (>= ~10%) for GRPO to get a learning signal on a tiny
+# CPU model (measured: "a + b" over digits 0-9, 19 answers, stayed at chance for 3,000 steps).
 
 
 def _max_task() -> Iterator[tuple[str, str, str]]:
@@ -267,9 +268,36 @@ def _last_digit_task() -> Iterator[tuple[str, str, str]]:
         yield str(n), f"last({n})=", str(n % 10)
 
 
+def _digit_strings(per_length: int = 100, lengths: range = range(1, 9)) -> Iterator[str]:
+    """Up to ``per_length`` distinct seeded digit strings of each length (all 10 of length 1, ...)."""
+    rng = random.Random(1234)
+    for n in lengths:
+        seen: set[str] = set()
+        while len(seen) < min(per_length, 10 ** n):
+            seen.add("".join(rng.choice("0123456789") for _ in range(n)))
+        yield from sorted(seen)
+
+
+def _copy_task() -> Iterator[tuple[str, str, str]]:
+    """copy(3847)= -> 3847 for 1-8 digits: multi-token answers (2-9 tokens with EOS, one token per digit), so
+    sample lengths vary 4x+ (the long tail of ``bench async``). 710 prompts; reward ``positions`` (partial
+    credit per digit in place)."""
+    for digits in _digit_strings():
+        yield digits, f"copy({digits})=", digits
+
+
+def _reverse_task() -> Iterator[tuple[str, str, str]]:
+    """rev(3847)= -> 7483 for 1-8 digits, as ``copy`` but reversed (harder: no copy-the-next-digit shortcut)."""
+    for digits in _digit_strings():
+        yield digits, f"rev({digits})=", digits[::-1]
+
+
 SYNTHETIC_TASKS: dict[str, Callable[[], Iterator[tuple[str, str, str]]]] = {
     "max": _max_task, "min": _min_task, "add_small": _add_small_task, "last_digit": _last_digit_task,
+    "copy": _copy_task, "reverse": _reverse_task,
 }
+# The reward (the record's task) of each family; the rest are single-answer exact match.
+SYNTHETIC_REWARDS: dict[str, str] = {"copy": "positions", "reverse": "positions"}
 
 
 def _unit(seed: int, salt: str, key: str) -> float:
@@ -300,7 +328,8 @@ def load_synthetic(cfg: SyntheticConfig, name: str, on_bad: BadItemFn) -> Iterat
         for key, prompt, answer in SYNTHETIC_TASKS[family]():
             prompt_id = f"syn-{family}-{key}"
             if cfg.split == "all" or (prompt_id in held_out) == (cfg.split == "eval"):
-                items.append(DatasetItem(prompt_id, prompt, "exact", {"answer": answer, "family": family}))
+                items.append(DatasetItem(prompt_id, prompt, SYNTHETIC_REWARDS.get(family, "exact"),
+                                         {"answer": answer, "family": family}))
     if cfg.num_items and cfg.num_items < len(items):
         keep = set(sorted(range(len(items)), key=lambda i: _unit(cfg.seed, "subset", items[i].prompt_id))
                    [:cfg.num_items])

@@ -55,7 +55,7 @@ SHIPPED_FILES = sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "co
 @pytest.mark.parametrize("name", SHIPPED_FILES)
 def test_every_shipped_config_parses(name: str) -> None:
     """Role configs parse as their class; run configs (demo, the paper's grid) also validate every role in them."""
-    if name in ("demo.yaml", "chaos.yaml") or name.startswith("paper/"):
+    if name in ("demo.yaml", "chaos.yaml", "bench-async.yaml") or name.startswith("paper/"):
         cfg = load_config(RunConfig, REPO / "configs" / name)
         assert set(role_configs(cfg, "127.0.0.1:9092")) >= {"learner", "producer", "verifier"}
         return
@@ -74,6 +74,15 @@ def test_a_misspelt_key_in_a_role_config_fails_like_at_start_up(tmp_path: Path) 
     bad.write_text((REPO / "configs/learner.yaml").read_text() + "publish_evry: 3\n")
     with pytest.raises(ConfigError, match="publish_evry: unknown key; did you mean 'publish_every'"):
         load_config(LearnerConfig, bad, pipeline_file=PIPELINE)
+
+
+def test_run_config_cpus_name_roles_and_cpus_of_this_machine() -> None:
+    cfg = load_config(RunConfig, REPO / "configs/demo.yaml", ["cpus.producer=[0]", "cpus.learner=[0]"])
+    assert cfg.cpus == {"producer": [0], "learner": [0]}
+    with pytest.raises(ConfigError, match="cpus.producers: not a role"):
+        load_config(RunConfig, REPO / "configs/demo.yaml", ["cpus.producers=[0]"])
+    with pytest.raises(ConfigError, match="cpus.learner"):
+        load_config(RunConfig, REPO / "configs/demo.yaml", ["cpus.learner=[4096]"])
 
 
 def test_run_config_refuses_a_backlog_below_one_batch() -> None:

@@ -79,3 +79,20 @@ def test_completion_parsing(warm: tuple) -> None:
     assert dm.accuracy(["7", " 3", "1"], ["7", "3", "2"]) == pytest.approx(2 / 3)
     with pytest.raises(ValueError):
         dm.accuracy(["1"], ["1", "2"])
+
+
+def test_the_shuffled_warm_start_teaches_length_and_digits_not_their_order(dirs: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """``copy`` (multi-token answers). Measured (seed 0, 300 steps): 99% of held-out greedy answers are all
+    digits, 65% have the answer's length (89% within one), the untrained model scores 0 and the warm-started one
+    0.32 on ``positions`` -- far from 1: the order is RL's to learn."""
+    out = dm.warm_start(dirs[0], "copy", steps=300, out_dir=tmp_path / "warm-copy", answers="shuffled")
+    model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    prompts, answers = dm.task_items("copy", "eval")
+    said = [dm.completion_answer(tok, c) for c in dm.greedy_generate(model, tok, prompts, max_tokens=12)]
+    digits = sum(s.isdigit() for s in said) / len(said)
+    length = sum(len(s) == len(a) for s, a in zip(said, answers, strict=True)) / len(answers)
+    score = dm.evaluate(model, prompts, answers, max_tokens=12, tokenizer=tok, reward="positions")
+    print(f"copy warm start: all digits {digits:.2f}, right length {length:.2f}, positions {score:.3f}")
+    assert digits >= 0.9 and length >= 0.4 and 0.1 < score < 0.6
+    assert dm.evaluate(dirs[0], prompts, answers, max_tokens=12, reward="positions") < 0.05

@@ -309,6 +309,19 @@ def test_synthetic_tasks_are_correct_deterministic_and_split() -> None:
     assert {it.prompt_id for it in subset} <= {it.prompt_id for it in synthetic(tasks=["last_digit"])}
 
 
+def test_the_multi_token_families_copy_and_reverse_digits() -> None:
+    for family, solve in (("copy", lambda d: d), ("reverse", lambda d: d[::-1])):
+        items = synthetic(tasks=[family], split="all")
+        assert len(items) == 10 + 100 * 7 == len({it.prompt_id for it in items})
+        lengths = Counter(len(it.metadata["answer"]) for it in items)
+        assert lengths == {1: 10, **{n: 100 for n in range(2, 9)}}  # 1-8 digits: 2-9 tokens with EOS
+        for it in items:
+            digits = it.prompt[it.prompt.index("(") + 1:it.prompt.index(")")]
+            assert it.task == "positions" and it.metadata["answer"] == solve(digits)
+        assert items == synthetic(tasks=[family], split="all")
+        assert len(synthetic(tasks=[family], split="eval")) == 142
+
+
 # ------------------------------------------------------------------------------------------ config, hf
 
 

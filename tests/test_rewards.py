@@ -15,7 +15,7 @@ import pytest
 
 from grpo_core.config import ConfigError, build
 from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request, failures
-from grpo_verifiers.rewards.builtins import exact, format_reward, regex, resolve
+from grpo_verifiers.rewards.builtins import BUILTINS, exact, format_reward, positions, regex, resolve
 from grpo_verifiers.rewards.math_reward import gold_text, last_boxed, math_answer
 from grpo_verifiers.rewards.registry import judge
 
@@ -85,6 +85,21 @@ def test_exact_modes_and_lists() -> None:
     assert exact("PARIS", "", {"answer": "paris"}, case_sensitive=False)[0] == 1.0
     assert exact("PARIS", "", {"answer": "paris"})[0] == 0.0
     assert exact("b", "", {"answer": ["a", "b"]})[0] == 1.0
+
+
+@pytest.mark.parametrize(("completion", "expected"), [
+    ("3847", 1.0), ("3841", 0.75), ("38", 0.5), ("38470", 0.8), ("", 0.0), ("3847<|endoftext|>", 1.0),
+    (" 3847\nmore", 1.0), ("7483", 0.0), ("x3847", 0.0),
+])
+def test_positions_gives_partial_credit_per_character_in_place(completion: str, expected: float) -> None:
+    assert positions(completion, "copy(3847)=", {"answer": "3847"})[0] == pytest.approx(expected)
+
+
+def test_positions_lists_case_and_registry() -> None:
+    assert positions("ab", "", {"answer": ["xb", "ab"]})[0] == 1.0
+    assert positions("AB", "", {"answer": "ab"})[0] == 0.0
+    assert positions("AB", "", {"answer": "ab"}, case_sensitive=False)[0] == 1.0
+    assert BUILTINS["positions"].inline_safe
 
 
 def test_regex_and_format() -> None:

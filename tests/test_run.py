@@ -18,6 +18,19 @@ from grpo_stream.tiny_model import build_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_a_child_is_pinned_to_its_roles_cpus(tmp_path: Path) -> None:
+    from grpo_stream.run import Child
+
+    cpus = {min(os.sched_getaffinity(0))}
+    child = Child("producer-0", [sys.executable, "-c", "import os, time; time.sleep(0.5); "
+                                 "print(sorted(os.sched_getaffinity(0)))"],
+                  (tmp_path / "c.log").open("w"), lambda name, line: None, cpus=cpus)
+    child.start()
+    assert child.proc is not None and child.proc.wait(timeout=30) == 0
+    time.sleep(0.2)
+    assert (tmp_path / "c.log").read_text().strip() == str(sorted(cpus))
+
+
 @pytest.mark.slow
 def test_run_restarts_a_killed_child_and_completes(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model")

@@ -1,4 +1,4 @@
-"""The built-in reward functions (``exact``, ``regex``, ``format``, ``math``) and their registry.
+"""The built-in reward functions (``exact``, ``positions``, ``regex``, ``format``, ``math``) and their registry.
 
 Every function follows the contract in :mod:`grpo_verifiers.rewards`: ``fn(completion, prompt, metadata, **params)``
 returns a float in [0, 1] or ``(float, info)``. Each registry entry also carries a ``check`` that validates the
@@ -80,6 +80,33 @@ def exact(completion: str, prompt: str, metadata: dict[str, Any], *, mode: Exact
 
 def _check_exact(mode: str = "token", case_sensitive: bool = True) -> None:
     _expect(mode in _EXACT_EXTRACT, f"mode: {mode!r} is not one of {sorted(_EXACT_EXTRACT)}")
+    _expect(isinstance(case_sensitive, bool), "case_sensitive: must be true or false")
+
+
+# ------------------------------------------------------------------------------------------ positions
+
+
+def positions(completion: str, prompt: str, metadata: dict[str, Any], *,
+              case_sensitive: bool = True) -> tuple[float, dict[str, Any]]:
+    """Partial credit for a multi-character answer: the characters in their right place, over the longer length.
+
+    The answer is extracted as ``exact``'s ``token`` mode (cut at special tokens, strip, first whitespace run);
+    with ``metadata["answer"]`` = ``"3847"``: ``"3847"`` 1.0, ``"3841"`` 0.75, ``"38"`` 0.5, ``"38470"`` 0.8,
+    ``""`` 0. A list of answers scores against the best one. A dense signal where exact match is too sparse for
+    a small model (the synthetic ``copy`` / ``reverse`` families).
+    """
+    del prompt
+    got = _EXACT_EXTRACT["token"](cut_special(completion).strip())
+    best = 0.0
+    for wanted in (a.strip() for a in answers_of(metadata)):
+        a, b = (got, wanted) if case_sensitive else (got.casefold(), wanted.casefold())
+        width = max(len(a), len(b))
+        if width:
+            best = max(best, sum(x == y for x, y in zip(a, b, strict=False)) / width)
+    return best, {"extracted": got[:64]}
+
+
+def _check_positions(case_sensitive: bool = True) -> None:
     _expect(isinstance(case_sensitive, bool), "case_sensitive: must be true or false")
 
 
@@ -204,6 +231,7 @@ class Builtin:
 
 BUILTINS: dict[str, Builtin] = {
     "exact": Builtin(exact, _check_exact, inline_safe=True),
+    "positions": Builtin(positions, _check_positions, inline_safe=True),
     "format": Builtin(format_reward, _check_format, inline_safe=True),
     "regex": Builtin(regex, _check_regex, inline_safe=False),
     "math": Builtin(math_reward.math_answer, math_reward.check_params, inline_safe=False, warmup=math_reward.warmup),

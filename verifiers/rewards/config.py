@@ -32,7 +32,8 @@ DEFAULT_TASK = "default"
 class RewardTerm:
     """One weighted reward of a task's combination (weights are normalised to sum to 1)."""
 
-    name: str = opt(help="A built-in (exact, regex, format, math) or a dotted path 'package.module:function'.")
+    name: str = opt(help="A built-in (exact, positions, regex, format, math) or a dotted path "
+                         "'package.module:function'.")
     weight: float = opt(1.0, "Relative weight; a task's weights are divided by their sum.")
     params: dict[str, Any] = opt(factory=dict, help="Keyword arguments passed to the reward function.")
     zero_on: list[str] = opt(
@@ -62,8 +63,9 @@ class RewardConfig:
     memory_mb: int = opt(1024, "Address-space cap (RLIMIT_AS) of each worker, in MiB, set after its imports.")
     max_completion_chars: int = opt(100_000, "Longer completions score 0 ('oversized') without any reward call.")
     inline_trusted: list[str] = opt(
-        factory=lambda: ["exact", "format"], help="Built-ins run in the verifier process itself (no IPC): only "
-        "the inline-safe ones (exact, format) are allowed; regex stays pooled (catastrophic backtracking).")
+        factory=lambda: ["exact", "positions", "format"], help="Built-ins run in the verifier process itself (no "
+        "IPC): only the inline-safe ones (exact, positions, format) are allowed; regex stays pooled "
+        "(catastrophic backtracking).")
     start_method: StartMethod = opt("spawn", "multiprocessing start method of the workers (never fork: the "
                                     "verifier has Kafka client threads).")
     max_chunk: int = opt(16, "Most records sent to a worker in one message (each is still timed on its own).")

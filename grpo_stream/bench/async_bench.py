@@ -1,0 +1,276 @@
+"""``grpo-stream bench async``: the pipeline against the synchronous loop it replaces, one machine, one run.
+
+Arms (``configs/bench-async.yaml`` for all of them; :data:`ARMS`):
+
+* ``S``: the synchronous on-policy loop in one process, no Kafka (:mod:`grpo_stream.bench.async_sync`);
+  generation on CPU 0, learning on CPU 1 -- the disaggregated setting of the paper (one serving GPU beside the
+  training GPUs), where one device idles while the other works.
+* ``S-hybrid``: the same loop with both CPUs for both phases (the "hybrid engine" setting).
+* ``P v{1,4} {between,inflight}``: the real pipeline (broker, feeder, producer, verifier, learner as processes
+  under the run supervisor), producer pinned to CPU 0 and learner to CPU 1, v = publish_every, weights swapped
+  between batches or in flight.
+
+Every arm runs for the same budget, counted from its first generated token (S: the engine is up; P: the
+producer's first completion), so start-up costs (vLLM ~20 s on CPU) are left out of every arm alike. Weight
+versions are saved with their wall-clock second and evaluated afterwards (greedy, held-out ``copy`` prompts,
+mean ``positions`` reward), so evaluation never competes with an arm for the CPUs. Printed per arm:
+time-to-target and its ratio to S, reward gain per second, generated tokens/s, engine and learner busy
+fractions, mean staleness; and the ideal ratio max(gen, train) / (gen + train) from S's own phase times.
+Written: ``async.json`` and ``async.png`` (held-out reward vs wall-clock, one line per arm).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_core.config import load_config
+from grpo_stream.configs import shipped_config
+
+CACHE = Path(".cache") / "bench-models"
+TASK = "copy"
+EVAL_POINTS = 12  # evaluated versions per arm (evenly spaced in time)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    pipeline: bool
+    v: int = 1
+    swap: str = "inflight"
+    hybrid: bool = False
+
+
+ARMS = [Arm("S", False), Arm("S-hybrid", False, hybrid=True),
+        Arm("P v1 between", True, 1, "between_batches"), Arm("P v1 inflight", True, 1, "inflight"),
+        Arm("P v4 between", True, 4, "between_batches"), Arm("P v4 inflight", True, 4, "inflight")]
+SHORT_ARMS = [ARMS[0], ARMS[3]]
+
+
+def prepare_model() -> Path:
+    """The tiny model warm-started on the format of ``copy`` (cached)."""
+    from grpo_stream.demo_model import warm_start
+    from grpo_stream.tiny_model import build_tiny_model
+
+    base = build_tiny_model(CACHE / "async-base", seed=0)
+    return warm_start(base, TASK, steps=300, out_dir=CACHE / "async-warm-copy", answers="shuffled")
+
+
+def base_config(model: Path, out: Path, arm: Arm, budget_s: float) -> Any:
+    from grpo_stream.run import RunConfig
+
+    weights = out / "weights"
+    overrides = [f"name=bench-{re.sub(r'[^A-Za-z0-9]+', '-', arm.name).strip('-')}", f"out_dir={out}",
+                 f"max_minutes={(budget_s + 120) / 60:.2f}", f"learner.model.path={model}",
+                 f"learner.weights.fs.root={weights}", f"learner.publish_every={arm.v}",
+                 f"producers.config.backend.model={model}", f"producers.config.weights.fs.root={weights}",
+                 f"producers.config.weights.swap={arm.swap}", "cpus.producer=[0]", "cpus.learner=[1]"]
+    return load_config(RunConfig, shipped_config("bench-async.yaml"), overrides)
+
+
+# ------------------------------------------------------------------------------------------ the arms
+
+
+def run_sync_arm(model: Path, arm: Arm, budget_s: float, out: Path) -> dict[str, Any]:
+    from grpo_stream.bench.async_sync import run_sync
+    from grpo_stream.run import role_configs
+
+    cfg = base_config(model, out, arm, budget_s)
+    cpus = ({0, 1}, {0, 1}) if arm.hybrid else ({0}, {1})
+    res = run_sync(role_configs(cfg, "unused:9092"), [TASK], budget_s, out, *cpus)
+    return {"wall_s": res.wall_s, "gen_s": res.gen_s, "train_s": res.train_s, "steps": res.steps,
+            "tokens": res.tokens, "engine_busy": res.gen_s / res.wall_s, "learner_busy": res.train_s / res.wall_s,
+            "mean_staleness": 0.0, "points": [(t, str(p)) for t, p in res.snapshots]}
+
+
+class _Watch:
+    """The supervisor's tick for a pipeline arm: scrape the producer, stop ``budget_s`` after its first token."""
+
+    def __init__(self, port: int, budget_s: float) -> None:
+        self.url, self.budget_s = f"http://127.0.0.1:{port}/metrics", budget_s
+        self.t0: float | None = None
+        self.last: dict[str, float] = {}
+        self.at_t0: dict[str, float] = {}  # counters when the budget started: only what follows counts
+        self._at = 0.0
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self._at >= 1.0 or self.t0 is not None and self._over():
+            self._at = time.monotonic()
+            try:
+                text = urllib.request.urlopen(self.url, timeout=2).read().decode()
+            except OSError:
+                return False
+            self.last = {k: float(v) for k, v in re.findall(r"^(grpo_stream_producer_\w+) ([0-9.e+-]+)$", text, re.M)}
+            if self.t0 is None and self.last.get("grpo_stream_producer_tokens_total", 0) > 0:
+                self.t0, self.at_t0 = time.time(), dict(self.last)
+        return self.t0 is not None and self._over()
+
+    def _over(self) -> bool:
+        return self.t0 is not None and time.time() - self.t0 >= self.budget_s
+
+
+def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path) -> dict[str, Any]:
+    from grpo_core.jsonl import read_lines
+    from grpo_stream.broker import free_port
+    from grpo_stream.run import execute, read_metrics
+
+    cfg = base_config(model, out, arm, budget_s)
+    port = free_port()
+    cfg.producers.config.setdefault("metrics", {})["port"] = port
+    watch = _Watch(port, budget_s)
+    summary, _ = execute(cfg, tty=False, on_tick=watch)
+    t0 = watch.t0 or time.time()
+    wall = max(1e-9, min(budget_s, time.time() - t0))
+    versions = sorted((p.stat().st_mtime - t0, p.parent) for p in (out / "weights").glob("*/v*/model.safetensors"))
+    busy = sum(v for m in read_metrics(out / "metrics.jsonl") if m["time"] >= t0
+               for k, v in m.get("timings", {}).items() if k != "wait")
+    trained = [e["staleness"] for line in read_lines(out / "lineage.jsonl") for e in line["trained"]]
+
+    def since_t0(name: str) -> float:
+        key = f"grpo_stream_producer_{name}"
+        return watch.last.get(key, 0.0) - watch.at_t0.get(key, 0.0)
+
+    gen = since_t0("engine_busy_seconds_total" if arm.swap == "inflight" else "batch_seconds_sum")
+    return {"wall_s": wall, "steps": summary["learner_steps"], "tokens": since_t0("tokens_total"),
+            "engine_busy": min(1.0, gen / wall), "learner_busy": min(1.0, busy / wall),
+            "mean_staleness": statistics.fmean(trained) if trained else 0.0,
+            "aborted_stale": since_t0("aborted_stale_total"),
+            "points": [(max(0.0, t), str(d)) for t, d in versions if t <= budget_s + 1]}
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+
+def evaluate_points(model: Path, points: list[tuple[float, str]], prompts: list[str],
+                    answers: list[str]) -> list[tuple[float, float]]:
+    """Held-out reward of up to :data:`EVAL_POINTS` versions spread over the arm's time (plus the first and
+    the last), from their ``model.safetensors`` on top of ``model``'s architecture."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_stream.demo_model import evaluate
+
+    if not points:
+        return []
+    pick = sorted({round(i * (len(points) - 1) / (EVAL_POINTS - 1)) for i in range(EVAL_POINTS)})
+    tok, out = AutoTokenizer.from_pretrained(model), []
+    for i in pick:
+        t, path = points[i]
+        net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        net.load_state_dict(load_file(Path(path) / "model.safetensors"), strict=False)
+        net.tie_weights()
+        out.append((t, evaluate(net, prompts, answers, max_tokens=12, tokenizer=tok, reward="positions")))
+    return out
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, r in curve if r >= target), None)
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+
+FIELDS = ("time_to_target_s", "ratio_to_S", "reward_gain_per_s", "tokens_per_s", "engine_busy", "learner_busy",
+          "mean_staleness", "steps", "final_reward")
+
+
+def arm_row(result: dict[str, Any], target: float, sync_ttt: float | None) -> dict[str, Any]:
+    curve = result["curve"]
+    ttt = time_to(curve, target)
+    first, last = (curve[0][1], curve[-1][1]) if curve else (0.0, 0.0)
+    return {"time_to_target_s": ttt, "ratio_to_S": None if ttt is None or not sync_ttt else ttt / sync_ttt,
+            "reward_gain_per_s": (last - first) / result["wall_s"], "tokens_per_s": result["tokens"] / result["wall_s"],
+            "engine_busy": result["engine_busy"], "learner_busy": result["learner_busy"],
+            "mean_staleness": result["mean_staleness"], "steps": result["steps"], "final_reward": last}
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -> dict[str, Any]:
+    s_runs = results["S"]
+    gen, train = statistics.fmean(r["gen_s"] for r in s_runs), statistics.fmean(r["train_s"] for r in s_runs)
+    ideal = max(gen, train) / (gen + train)
+    sync_ttt = statistics.median([t for t in (time_to(r["curve"], target) for r in s_runs) if t is not None] or [0])
+    table: dict[str, Any] = {}
+    print(f"target held-out reward {target}; S: gen {gen:.1f}s + train {train:.1f}s -> ideal ratio {ideal:.3f} "
+          f"(gen/train {gen / max(train, 1e-9):.2f})")
+    print(f"{'arm':<15} " + " ".join(f"{f:>17}" for f in FIELDS))
+    for name, runs in results.items():
+        rows = [arm_row(r, target, sync_ttt or None) for r in runs]
+        table[name] = {"runs": rows, "median": {f: _median([row[f] for row in rows]) for f in FIELDS},
+                       "min": {f: _pick(min, [row[f] for row in rows]) for f in FIELDS},
+                       "max": {f: _pick(max, [row[f] for row in rows]) for f in FIELDS}}
+        print(f"{name:<15} " + " ".join(f"{_fmt(table[name]['median'][f]):>17}" for f in FIELDS))
+        if len(rows) > 1:
+            print(f"{'  min/max':<15} " + " ".join(
+                f"{_fmt(table[name]['min'][f]) + '/' + _fmt(table[name]['max'][f]):>17}" for f in FIELDS))
+    best = min((v["median"]["ratio_to_S"] for k, v in table.items() if k.startswith("P")
+                and v["median"]["ratio_to_S"] is not None), default=None)
+    print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {ideal:.3f}; "
+          f"gap {_fmt(None if best is None else best / ideal)} (target <= 1.15)")
+    summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
+               "best_pipeline_ratio": best, "arms": table,
+               "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
+    (out / "async.json").write_text(json.dumps(summary, indent=2))
+    _plot(results, target, out / "async.png")
+    return summary
+
+
+def _median(values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _pick(fn: Any, values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    return fn(known) if known else None
+
+
+def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (name, runs) in enumerate(results.items()):
+        for k, r in enumerate(runs):
+            ax.plot([t for t, _ in r["curve"]], [v for _, v in r["curve"]], "o-", ms=3, color=f"C{i}",
+                    alpha=0.9 if k == 0 else 0.4, label=name if k == 0 else None)
+    ax.axhline(target, ls="--", color="grey", lw=0.8)
+    ax.set(xlabel="wall-clock seconds (from the first generated token)", ylabel="held-out reward (positions)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(budget_s: float = 90.0, repeats: int = 1, target: float = 0.6, short: bool = False,
+         out: str = "runs/bench-async") -> int:
+    from grpo_stream.demo_model import task_items
+
+    root = Path(out)
+    shutil.rmtree(root, ignore_errors=True)
+    model = prepare_model()
+    prompts, answers = task_items(TASK, "eval")
+    results: dict[str, list[dict[str, Any]]] = {}
+    for rep in range(repeats):
+        for arm in SHORT_ARMS if short else ARMS:
+            arm_out = root / f"r{rep}" / re.sub(r"[^A-Za-z0-9]+", "-", arm.name)
+            print(f"[bench async] repeat {rep + 1}/{repeats}: {arm.name} for {budget_s:.0f}s", flush=True)
+            result = (run_pipeline_arm if arm.pipeline else run_sync_arm)(model, arm, budget_s, arm_out)
+            result["curve"] = evaluate_points(model, result.pop("points"), prompts, answers)
+            results.setdefault(arm.name, []).append(result)
+    report(results, target, root)
+    print(f"[bench async] wrote {root / 'async.json'} and {root / 'async.png'}")
+    return 0

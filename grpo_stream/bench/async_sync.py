@@ -1,0 +1,137 @@
+"""Arm S of ``bench async``: the synchronous on-policy loop the pipeline replaces, in one process, no Kafka.
+
+generate a batch with the same vLLM engine -> score it with the same reward -> one learner step (the learner's
+own :class:`~grpo_learner.trainer.Trainer`) -> reload the new weights into the engine -> repeat (v1-i1). Same
+model, task, batch sizes, sampling and learner settings as the pipeline arms: all read from the one run config.
+
+``gen_cpus`` / ``train_cpus`` pin the phases: the engine's processes inherit the CPUs the process has when the
+engine starts, then the process itself moves to ``train_cpus`` for the learner steps. Disaggregated (one core
+each), one core idles while the other works, as one serving GPU beside training GPUs would; with both sets the
+whole machine (the "hybrid engine" setting), each phase has every core.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from grpo_core import wire
+from grpo_core.config import build, validate_tree
+from grpo_core.stats import group_stats
+from grpo_learner.config import LearnerConfig
+from grpo_learner.publish import unique_tensors
+from grpo_learner.service import load_model
+from grpo_learner.trainer import Trainer
+from grpo_producers.config import ProducerConfig
+from grpo_stream.demo_model import task_items
+from grpo_verifiers.rewards.builtins import positions
+
+
+@dataclass
+class SyncRun:
+    """What arm S measured: phase times, tokens, and weight snapshots (wall-clock second -> directory)."""
+
+    wall_s: float = 0.0
+    gen_s: float = 0.0
+    train_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    snapshots: list[tuple[float, Path]] = field(default_factory=list)
+
+
+def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float, out: Path,
+             gen_cpus: set[int], train_cpus: set[int], snapshots: int = 20) -> SyncRun:
+    """Run arm S for ``budget_s`` from the resolved role configs of the run (``run.role_configs``)."""
+    from grpo_producers.backends.base import make_backend
+
+    pcfg = build(ProducerConfig, roles["producer"], "producer")
+    lcfg = build(LearnerConfig, roles["learner"], "learner")
+    validate_tree(pcfg)
+    validate_tree(lcfg)
+    torch.manual_seed(lcfg.seed)
+    os.sched_setaffinity(0, gen_cpus)  # the engine's processes start here and stay here
+    engine = make_backend(pcfg.backend_config())
+    os.sched_setaffinity(0, train_cpus)
+    torch.set_num_threads(len(train_cpus))
+    try:
+        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots)
+    finally:
+        engine.close()
+
+
+def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[str], budget_s: float, out: Path,
+          snapshots: int) -> SyncRun:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pcfg.backend.tokenizer or pcfg.backend.model)
+    prompts, answers = task_items(tasks, "train")
+    ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    trainer = Trainer(lcfg, load_model(lcfg.model))
+    sampling, g, b = pcfg.sampling_params(), pcfg.pipeline.group_size, lcfg.groups_per_batch
+    order, rng, res = list(range(len(prompts))), random.Random(lcfg.seed), SyncRun()
+    weights_dir = out / "weights"
+    start = time.perf_counter()
+    res.snapshots.append((0.0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
+    while time.perf_counter() - start < budget_s:
+        if len(order) < b:
+            order = list(range(len(prompts)))
+        rng.shuffle(order)
+        picks, order = order[:b], order[b:]
+        t0 = time.perf_counter()
+        samples = engine.generate([ids[i] for i in picks], g, sampling)
+        res.gen_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        groups = [_group(f"s{res.steps}-{i}", ids[i], answers[i], s, tok, pcfg, res.steps)
+                  for i, s in zip(picks, samples, strict=True)]
+        trainer.train_step(groups)
+        _save(trainer.model, weights_dir)
+        engine.load_weights(weights_dir)
+        res.train_s += time.perf_counter() - t0
+        res.steps += 1
+        res.tokens += sum(len(x.token_ids) for group in samples for x in group)
+        now = time.perf_counter() - start
+        if now >= len(res.snapshots) * budget_s / snapshots:
+            res.snapshots.append((now, _snapshot(trainer.model, out / "snapshots" / f"s{res.steps:04d}")))
+    res.wall_s = time.perf_counter() - start
+    res.snapshots.append((res.wall_s, _snapshot(trainer.model, out / "snapshots" / "final")))
+    return res
+
+
+def _group(gid: str, prompt: list[int], answer: str, samples: list[Any], tok: Any, pcfg: ProducerConfig,
+           version: int) -> wire.ScoredGroup:
+    g = pcfg.pipeline.group_size
+    members = [wire.Completion(
+        group_id=gid, index=k, group_size=g, prompt_id=gid, task="positions",
+        prompt_token_ids=np.asarray(prompt, np.int32), completion_token_ids=s.token_ids,
+        behaviour_logprobs=s.logprobs, policy_version=version, producer_id="sync", finish_reason=s.finish_reason,
+        logprob_temperature=pcfg.logprob_temperature()) for k, s in enumerate(samples)]
+    rewards = [positions(tok.decode(s.token_ids, skip_special_tokens=True), "", {"answer": answer})[0]
+               for s in samples]
+    mean, std = group_stats(rewards, pcfg.pipeline.stats_eps)
+    return wire.ScoredGroup(group_id=gid, prompt_id=gid, task="positions", policy_version=version,
+                            completions=members, rewards=rewards, reward_mean=mean, reward_std=std,
+                            verifier_id="sync", group_size=g)
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    """``model.safetensors`` as the learner publishes it (tied head left out: the engine re-ties it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / ".model.safetensors.tmp"
+    save_file({k: v.detach().contiguous() for k, v in unique_tensors(model).items()}, tmp,
+              metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    return path
+
+
+def _snapshot(model: torch.nn.Module, path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    return _save(model, path)

@@ -1,0 +1,54 @@
+"""``grpo-stream bench async``: the report's arithmetic on known curves, and a short real run of two arms (S and
+the pipeline with in-flight swaps) that prints every field and writes the JSON and the PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_stream.bench import async_bench as ab
+
+
+def fake(curve: list[tuple[float, float]], gen_s: float = 0.0, train_s: float = 0.0) -> dict:
+    return {"curve": curve, "wall_s": 10.0, "tokens": 500, "engine_busy": 0.5, "learner_busy": 0.25,
+            "mean_staleness": 1.5, "steps": 20, "gen_s": gen_s, "train_s": train_s}
+
+
+def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    results = {"S": [fake([(0, 0.3), (4, 0.5), (8, 0.7)], gen_s=6.0, train_s=4.0)],
+               "P v1 inflight": [fake([(0, 0.3), (2, 0.6), (6, 0.8)]), fake([(0, 0.3), (3, 0.65)])],
+               "P v4 between": [fake([(0, 0.3), (9, 0.4)])]}
+    summary = ab.report(results, 0.6, tmp_path)
+    assert summary["ideal_ratio"] == pytest.approx(0.6)  # max(6, 4) / (6 + 4)
+    p = summary["arms"]["P v1 inflight"]
+    assert [r["time_to_target_s"] for r in p["runs"]] == [2, 3]
+    assert p["median"]["ratio_to_S"] == pytest.approx(2.5 / 8) and p["min"]["ratio_to_S"] == pytest.approx(2 / 8)
+    assert summary["arms"]["P v4 between"]["median"]["time_to_target_s"] is None  # never reached: no ratio
+    assert summary["best_pipeline_ratio"] == pytest.approx(2.5 / 8)
+    assert p["runs"][0]["reward_gain_per_s"] == pytest.approx(0.05) and p["runs"][0]["tokens_per_s"] == 50
+    out = capsys.readouterr().out
+    assert all(field in out for field in ab.FIELDS) and "ideal ratio 0.600" in out and "min/max" in out
+    assert json.loads((tmp_path / "async.json").read_text())["target"] == 0.6
+    assert (tmp_path / "async.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("vllm")
+    assert ab.main(budget_s=12, short=True, target=0.99, out=str(tmp_path / "b")) == 0
+    out = capsys.readouterr().out
+    assert all(field in out for field in ab.FIELDS) and "best pipeline ratio to S" in out
+    summary = json.loads((tmp_path / "b" / "async.json").read_text())
+    assert set(summary["arms"]) == {"S", "P v1 inflight"}
+    assert summary["sync_gen_s"] > 0 and summary["sync_train_s"] > 0 and 0.5 <= summary["ideal_ratio"] < 1
+    for name, arm in summary["arms"].items():
+        row = arm["runs"][0]
+        assert set(row) == set(ab.FIELDS)
+        assert row["steps"] >= 1 and row["tokens_per_s"] > 0, (name, row)
+        assert 0 < row["engine_busy"] <= 1 and 0 < row["learner_busy"] <= 1, (name, row)
+        curve = summary["curves"][name][0]
+        assert len(curve) >= 2 and curve[0][0] <= 1.0, (name, curve)  # the first version, then later ones
+    assert summary["arms"]["P v1 inflight"]["runs"][0]["mean_staleness"] >= 0
+    assert (tmp_path / "b" / "async.png").is_file()

@@ -10,6 +10,7 @@ SIGTERM / the time budget / the learner's ``max_steps``, and exits non-zero when
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -146,8 +147,10 @@ class Child:
     cpus: set[int] | None = None
 
     def start(self) -> None:
+        # A session of its own: what the child starts (a vLLM engine's processes) shares its process group,
+        # so reap() can end them when the child itself died without shutting them down (kill -9, a crash).
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1)
+                                     bufsize=1, start_new_session=True)
         if self.cpus:  # before the child has started any thread or engine process of its own (imports take s)
             os.sched_setaffinity(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
@@ -159,6 +162,13 @@ class Child:
             self.log_file.write(line)
             self.log_file.flush()
             self.sink(self.name, line)
+
+    def reap(self) -> None:
+        """SIGKILL whatever is left of the child's process group once the child has exited (an orphaned vLLM
+        engine would otherwise keep its memory, and a restart would start a second one beside it)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def status(self) -> str:
         state = "done" if self.done else ("running" if self.proc and self.proc.poll() is None else "down")
@@ -223,6 +233,7 @@ class Supervisor:
         rc = child.proc.poll()
         if rc is None:
             return False
+        child.reap()
         if rc == 0 or self.stopping:
             child.done = True
             return child.name == "learner"
@@ -257,6 +268,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+            child.reap()
             if child.name == "learner" and child.proc.returncode not in (0, -signal.SIGTERM):
                 self.learner_failed = True
             child.log_file.close()

@@ -110,9 +110,11 @@ def test_out_of_order_groups_and_kill9_lose_no_prompt(model_dir: Path, kafka_cfg
     ids = feed(kafka_cfg, plan, 40)
     cmd = [sys.executable, "-m", "grpo_stream.cli", "producer", "--config", str(path)]
     log = (tmp_path / "producer.log").open("ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # A session of its own, killed as a whole: kill -9 of the producer and its vLLM engine processes (which do
+    # not watch their parent), as when a pod or the supervisor's reap takes them down together.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: len(groups_done(kafka_cfg, plan)[0]) >= 8, timeout_s=180, what="some groups")
-    os.kill(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     time.sleep(1.0)
     committed = assert_watermark_kept(kafka_cfg, admin, plan)

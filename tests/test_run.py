@@ -18,6 +18,45 @@ from grpo_stream.tiny_model import build_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
+def test_what_a_killed_child_left_running_is_reaped(tmp_path: Path) -> None:
+    """A producer killed with -9 leaves its vLLM engine processes behind (they do not watch their parent); the
+    supervisor kills the child's process group before restarting it."""
+    from grpo_core.config import load_config
+    from grpo_stream.run import Child, RunConfig, Supervisor
+
+    pidfile = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    sup = Supervisor(load_config(RunConfig, REPO / "configs/demo.yaml", [f"out_dir={tmp_path}"]))
+    child = Child("producer-0", [sys.executable, "-c", code], (tmp_path / "c.log").open("w"), lambda n, line: None)
+    sup.children.append(child)
+    child.start()
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    assert child.proc is not None
+    os.kill(child.proc.pid, signal.SIGKILL)
+    child.proc.wait()
+    os.kill(grandchild, 0)  # still alive: an orphan, until the supervisor notices
+    assert sup.tick() is False and child.restarts == 1
+    deadline = time.monotonic() + 10
+    while _alive(grandchild):
+        assert time.monotonic() < deadline, "the orphan survived the reap"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet waited for by init) is gone too
+        return f.read().split()[2] != "Z"
+
+
 def test_a_child_is_pinned_to_its_roles_cpus(tmp_path: Path) -> None:
     from grpo_stream.run import Child
 

@@ -230,9 +230,10 @@ class ContinuousLoop:
 
     def _idle_too_long(self, took: bool) -> bool:
         p = self.p
-        if took or self.flight or not p.prompts.assignment():
-            if not p.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
-                p.last_prompt_at = time.monotonic()
+        if not p.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
+            p.last_prompt_at = time.monotonic()
+            return False
+        if took or self.flight:
             return False
         p._watch_lag()
         return bool(self.cfg.idle_timeout_s) and time.monotonic() - p.last_prompt_at > self.cfg.idle_timeout_s

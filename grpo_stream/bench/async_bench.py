@@ -47,6 +47,11 @@ class Arm:
     swap: str = "inflight"
     hybrid: bool = False
 
+    @property
+    def slug(self) -> str:
+        """The arm's name as a path and run-name part: ``P v1 inflight`` -> ``P-v1-inflight``."""
+        return re.sub(r"[^A-Za-z0-9]+", "-", self.name).strip("-")
+
 
 ARMS = [Arm("S", False), Arm("S-hybrid", False, hybrid=True),
         Arm("P v1 between", True, 1, "between_batches"), Arm("P v1 inflight", True, 1, "inflight"),
@@ -67,7 +72,7 @@ def base_config(model: Path, out: Path, arm: Arm, budget_s: float) -> Any:
     from grpo_stream.run import RunConfig
 
     weights = out / "weights"
-    overrides = [f"name=bench-{re.sub(r'[^A-Za-z0-9]+', '-', arm.name).strip('-')}", f"out_dir={out}",
+    overrides = [f"name=bench-{arm.slug}", f"out_dir={out}",
                  f"max_minutes={(budget_s + 120) / 60:.2f}", f"learner.model.path={model}",
                  f"learner.weights.fs.root={weights}", f"learner.publish_every={arm.v}",
                  f"producers.config.backend.model={model}", f"producers.config.weights.fs.root={weights}",
@@ -266,7 +271,7 @@ def main(budget_s: float = 90.0, repeats: int = 1, target: float = 0.6, short: b
     results: dict[str, list[dict[str, Any]]] = {}
     for rep in range(repeats):
         for arm in SHORT_ARMS if short else ARMS:
-            arm_out = root / f"r{rep}" / re.sub(r"[^A-Za-z0-9]+", "-", arm.name)
+            arm_out = root / f"r{rep}" / arm.slug
             print(f"[bench async] repeat {rep + 1}/{repeats}: {arm.name} for {budget_s:.0f}s", flush=True)
             result = (run_pipeline_arm if arm.pipeline else run_sync_arm)(model, arm, budget_s, arm_out)
             result["curve"] = evaluate_points(model, result.pop("points"), prompts, answers)

@@ -49,13 +49,9 @@ class VLLMBackend:
 
     def __init__(self, cfg: BackendConfig) -> None:
         from vllm import LLM
-        from vllm.platforms import current_platform
 
         self.cfg = cfg
-        self.llm = LLM(model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
-                       gpu_memory_utilization=cfg.memory_utilization(on_cpu=current_platform.is_cpu()),
-                       seed=cfg.seed, worker_extension_cls=f"{__name__}.{WeightReloadExtension.__name__}",
-                       logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs")
+        self.llm = LLM(**engine_kwargs(cfg))
         model_config = self.llm.llm_engine.model_config
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
@@ -81,18 +77,11 @@ class VLLMBackend:
         return result
 
     def _params(self, sampling: SamplingConfig, n: int, i: int) -> Any:
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
-            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
-            include_stop_str_in_output=True,  # the text ends with the stop string, as with the HF backend
-            logprobs=0, seed=None if sampling.seed is None else sampling.seed + i * n)
+        return sampling_params(sampling, n, None if sampling.seed is None else sampling.seed + i * n)
 
     def load_weights(self, model_dir: Path) -> None:
         """Reload all weights from ``model_dir/*.safetensors`` into the running engine (no restart)."""
-        if not any(Path(model_dir).glob("*.safetensors")):
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors file to load weights from")
+        require_weights(model_dir)
         self.llm.collective_rpc("grpo_reload_weights", args=(str(model_dir),))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
@@ -105,6 +94,32 @@ class VLLMBackend:
         llm.llm_engine.engine_core.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
         del llm
         gc.collect()
+
+
+def engine_kwargs(cfg: BackendConfig) -> dict[str, Any]:
+    """The engine arguments both engines start with (``vllm.LLM`` here, ``AsyncEngineArgs`` in vllm_async)."""
+    from vllm.platforms import current_platform
+
+    return {"model": cfg.model, "tokenizer": cfg.tokenizer, "dtype": cfg.dtype, "enforce_eager": cfg.enforce_eager,
+            "gpu_memory_utilization": cfg.memory_utilization(on_cpu=current_platform.is_cpu()), "seed": cfg.seed,
+            "worker_extension_cls": f"{__name__}.{WeightReloadExtension.__name__}",
+            "logprobs_mode": "processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs"}
+
+
+def sampling_params(sampling: SamplingConfig, n: int, seed: int | None, **extra: Any) -> Any:
+    """``SamplingParams`` of both engines: the sampled token's logprob only, stop strings kept in the text."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
+        max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,  # the text ends with the stop string, as with the HF backend
+        logprobs=0, seed=seed, **extra)
+
+
+def require_weights(model_dir: Path) -> None:
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors file to load weights from")
 
 
 class WeightReloadExtension:

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+from grpo_producers.backends.vllm import engine_kwargs, require_weights, sampling_params
 
 T = TypeVar("T")
 _DRAIN_S = 0.05  # the loop's time to move outputs already emitted into the request streams (see above)
@@ -107,17 +108,9 @@ class AsyncVLLMEngine:
     @staticmethod
     async def _start(cfg: BackendConfig) -> Any:
         from vllm import AsyncEngineArgs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from grpo_producers.backends.vllm import WeightReloadExtension
-
-        args = AsyncEngineArgs(
-            model=cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
-            gpu_memory_utilization=cfg.memory_utilization(on_cpu=current_platform.is_cpu()), seed=cfg.seed,
-            worker_extension_cls=f"{WeightReloadExtension.__module__}.{WeightReloadExtension.__name__}",
-            logprobs_mode="processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs")
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(cfg)))
 
     def max_context(self) -> int:
         return self._max_context
@@ -172,7 +165,7 @@ class AsyncVLLMEngine:
 
     def swap(self, model_dir: Path, version: int) -> None:
         """Reload the weights with every request kept in flight; later tokens are ``version``'s."""
-        _require_weights(model_dir)
+        require_weights(model_dir)
         self._call(self._swap(str(model_dir), version))
 
     async def _swap(self, path: str, version: int) -> None:
@@ -189,7 +182,7 @@ class AsyncVLLMEngine:
                      seed: int | None) -> list[Sample]:
         reqs = [_Request(f"{key}/{j}/{uuid.uuid4().hex[:8]}", [(version, 0)]) for j in range(n)]
         try:
-            await asyncio.gather(*(self._one(r, prompt, self._params(sampling, None if seed is None else seed + j))
+            await asyncio.gather(*(self._one(r, prompt, _params(sampling, None if seed is None else seed + j))
                                    for j, r in enumerate(reqs)))
         except BaseException:
             await self.engine.abort([r.rid for r in reqs])
@@ -213,16 +206,6 @@ class AsyncVLLMEngine:
         finally:
             self._live.pop(req.rid, None)
 
-    @staticmethod
-    def _params(sampling: SamplingConfig, seed: int | None) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
-            max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-            logprobs=0, seed=seed, output_kind=RequestOutputKind.DELTA)
-
     # ---- the batch interface (Backend) -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:
         check_request(prompts, n, sampling, self._max_context, self.vocab_size)
@@ -237,7 +220,7 @@ class AsyncVLLMEngine:
 
     def load_weights(self, model_dir: Path) -> None:
         """Reload with nothing in flight (the batch loop swaps between batches); KV computed before is dropped."""
-        _require_weights(model_dir)
+        require_weights(model_dir)
         self._call(self.engine.collective_rpc("grpo_reload_weights", args=(str(model_dir),)))
         self._call(self.engine.reset_prefix_cache())
 
@@ -253,6 +236,8 @@ class AsyncVLLMEngine:
         self._thread.join(_SHUTDOWN_TIMEOUT_S)
 
 
-def _require_weights(model_dir: Path) -> None:
-    if not any(Path(model_dir).glob("*.safetensors")):
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors file to load weights from")
+def _params(sampling: SamplingConfig, seed: int | None) -> Any:
+    """One sample per request, streamed as deltas (the swap counts each request's tokens so far)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return sampling_params(sampling, 1, seed, output_kind=RequestOutputKind.DELTA)

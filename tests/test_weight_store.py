@@ -332,9 +332,11 @@ def test_kafka_stream_writes_each_version_over_the_spare_it_prepared(kafka_cfg: 
         assert (stream.hits, stream.spares_used) == (3, 2)
         assert stream.spare is not None
         deadline = time.monotonic() + 30
-        while stream.spare.path.stat().st_size < 7 * MiB + 1 and time.monotonic() < deadline:
+        spare = stream.spare.path
+        # The spare is created on a thread of its own: right after the version it may not exist yet.
+        while (spare.stat().st_size if spare.exists() else 0) < 7 * MiB + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert stream.spare.path.read_bytes() == bytes(7 * MiB + 1)  # ready for the next version
+        assert spare.read_bytes() == bytes(7 * MiB + 1)  # ready for the next version
     finally:
         pub.close()
         fetcher.close()

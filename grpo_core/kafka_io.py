@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError, UnknownTopicOrPartitionError
+from kafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
@@ -83,6 +83,31 @@ def with_retry(fn: Callable[[], T], what: str, attempts: int = 10, backoff_s: fl
     return retry(fn, what, attempts=attempts, backoff_s=backoff_s, transient=(KafkaError, OSError))
 
 
+CLOSE_S = 10.0  # how long closing a producer waits for records still unacknowledged, then drops them
+
+
+class BoundedCloseProducer(KafkaProducer):
+    """A producer whose ``close()`` returns within a bound even when no broker answers.
+
+    kafka-python's ``close()`` waits forever by default, and with a timeout it raises from its ``flush`` and leaves
+    the sender thread alive, so a role stopping during a broker outage hangs in its shutdown. Dropping what is
+    still unsent is safe: every role treats a record as done only once it is acknowledged (:func:`acked`), so an
+    unacknowledged one is produced again after the restart, and consumers deduplicate.
+    """
+
+    def close(self, timeout: float | None = None, null_logger: bool = False) -> None:
+        bound = CLOSE_S if timeout is None else timeout
+        sender = getattr(self, "_sender", None)
+        if not getattr(self, "_closed", True) and sender is not None:
+            try:
+                self.flush(bound)
+            except KafkaTimeoutError:
+                log.warning("closing a producer with records still unacknowledged after %.0f s: dropped", bound)
+                sender.force_close()  # fails the pending batches, so close()'s own flush returns at once
+                sender.join(bound)
+        super().close(timeout=bound, null_logger=null_logger)
+
+
 def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProducer:
     """acks=all + idempotence: a broker-acknowledged record survives a broker failover and a retried send
     is never written twice. Compression is lz4 by default: cheapest CPU per byte, and our payloads (packed
@@ -96,7 +121,7 @@ def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProduce
         "batch_size": 1024 * 1024,
         "allow_auto_create_topics": False,
     } | overrides
-    return with_retry(lambda: KafkaProducer(**settings), f"{role}: connect producer")
+    return with_retry(lambda: BoundedCloseProducer(**settings), f"{role}: connect producer")
 
 
 def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Iterable[str] = (),

@@ -349,3 +349,42 @@ def test_acked_waits_on_a_pending_send_and_resends_a_failed_one(monkeypatch: pyt
     assert kafka_io.acked(failed, lambda: Future(["again"]), "t") == "again"  # type: ignore[arg-type]
     with pytest.raises(MessageSizeTooLargeError):  # not retriable: raises at once
         kafka_io.acked(Future([MessageSizeTooLargeError()]), lambda: Future(["x"]), "t")  # type: ignore[arg-type]
+
+
+def test_closing_a_producer_returns_through_a_broker_that_is_down(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A role stopping during an outage must not hang in its shutdown: kafka-python's close() waits forever for
+    an unacknowledged record (and with a timeout raises, leaving its sender thread running). Through a live broker,
+    close() still delivers what was sent."""
+    from grpo_core import kafka_io
+
+    broker = LocalBroker(data_dir=tmp_path / "kafka", port=free_port(), controller_port=free_port())
+    broker.up(fresh=True)
+    try:
+        cfg = KafkaConfig(bootstrap=broker.bootstrap)
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.create_topics({"closing": {"num_partitions": 1, "replication_factor": 1}})
+        admin.wait_for_topics(["closing"])
+        admin.close()
+        delivered = make_producer(cfg, "test", linger_ms=200)
+        delivered.send("closing", value=b"sent, then closed")  # not waited for: close() must flush it
+        delivered.close()
+        consumer = make_consumer(cfg, "test", None, ["closing"])
+        assert [m.value for m in _poll_until(consumer, 1)] == [b"sent, then closed"]
+        consumer.close()
+
+        stranded = make_producer(cfg, "test")
+        stranded.send("closing", value=b"x").get(timeout=30)
+        broker.down()
+        pending = stranded.send("closing", value=b"never acknowledged")
+        monkeypatch.setattr(kafka_io, "CLOSE_S", 2.0, raising=False)
+        closer = threading.Thread(target=stranded.close, daemon=True)
+        t0 = time.monotonic()
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "close() hung on a broker that is down"
+        assert time.monotonic() - t0 < 30
+        assert not stranded._sender.is_alive()  # no sender thread left behind, retrying forever
+        assert pending.is_done and pending.failed()  # dropped, and said so to whoever holds the future
+    finally:
+        broker.down()

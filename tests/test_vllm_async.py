@@ -2,7 +2,8 @@
 whose version spans are checked token by token against an HF float32 recompute with each version's weights.
 
 vLLM's pause clears the KV cache, so a request in flight at a swap has its prefix recomputed with the new
-weights: tokens before the boundary match the old weights' recompute, tokens after it the new weights'.
+weights: tokens before the boundary match the old weights' recompute, tokens after it the new weights'. The
+boundaries and labels are vLLM's own weight-version spans (the swap labels the paused engine).
 """
 
 from __future__ import annotations
@@ -58,33 +59,62 @@ def wait_for(engine: AsyncVLLMEngine, timeout: float = 120.0) -> list[Finished]:
 
 
 def live_tokens(engine: AsyncVLLMEngine) -> int:
-    return min((len(r.tokens) for r in list(engine._live.values())), default=0)
+    """The fewest tokens any sample in flight has so far: the test peeks at vLLM's own per-request state (the
+    engine delivers a group only once it is done)."""
+    states = list(engine.engine.output_processor.request_states.values())
+    return min((st.detokenizer.num_output_tokens() for st in states if st.detokenizer is not None), default=0)
 
 
-def test_a_completion_spanning_a_swap_carries_both_versions(engine: AsyncVLLMEngine, models: tuple[Path, Path],
-                                                            tmp_path: Path) -> None:
+def wait_tokens(engine: AsyncVLLMEngine, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while live_tokens(engine) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_a_completion_spanning_two_swaps_carries_each_version(engine: AsyncVLLMEngine, models: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    """v0 -> v1 (other weights) -> v2 (v0's weights again): each span's logprobs match its own version's
+    recompute, so the boundaries are where the weights really changed and the labels are the versions'."""
     tok = AutoTokenizer.from_pretrained(models[0])
     prompt = tok.encode(PROMPTS[0])
-    sampling = SamplingConfig(temperature=1.0, max_tokens=200)
-    engine.submit("g0", prompt, 2, sampling, version=0, seed=11)
-    deadline = time.monotonic() + 60
-    while live_tokens(engine) < 8 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    engine.submit("g0", prompt, 2, SamplingConfig(temperature=1.0, max_tokens=300), version=0, seed=11)
+    wait_tokens(engine, 8)
     engine.swap(weights_only_dir(models[1], tmp_path / "v1"), version=1)
+    first = live_tokens(engine)
+    wait_tokens(engine, first + 8)
+    engine.swap(weights_only_dir(models[0], tmp_path / "v2"), version=2)
     [done] = wait_for(engine)
     assert done.key == "g0" and done.error is None and done.samples is not None
-    spanned = [s for s in done.samples if len(s.spans) == 2]
-    assert spanned, [s.spans for s in done.samples]  # both were in flight (200 tokens take seconds)
+    spanned = [s for s in done.samples if len(s.spans) == 3]
+    assert spanned, [s.spans for s in done.samples]  # both were in flight (300 tokens take seconds)
+    weights = {0: models[0], 1: models[1], 2: models[0]}
     for s in spanned:
-        (v0, start0), (v1, boundary) = s.spans
-        assert (v0, start0, v1) == (0, 0, 1) and 0 < boundary < len(s.token_ids)
-        old, new = recompute(models[0], prompt, s.token_ids), recompute(models[1], prompt, s.token_ids)
-        before = np.abs(s.logprobs[:boundary] - old[:boundary]).max()
-        after = np.abs(s.logprobs[boundary:] - new[boundary:]).max()
-        print(f"span at {boundary}/{len(s.token_ids)}: |lp - old| before {before:.2e}, |lp - new| after {after:.2e}")
-        assert before < LOGPROB_TOL and after < LOGPROB_TOL  # KV recomputed with the new weights on resume
-        assert np.abs(s.logprobs[boundary:] - old[boundary:]).max() > 100 * LOGPROB_TOL  # really another model
+        assert [v for v, _ in s.spans] == [0, 1, 2] and s.spans[0][1] == 0
+        bounds = [start for _, start in s.spans] + [len(s.token_ids)]
+        assert all(a < b for a, b in zip(bounds, bounds[1:], strict=False)), bounds
+        recomputed = {v: recompute(weights[v], prompt, s.token_ids) for v in (0, 1)}
+        for (v, a), b in zip(s.spans, bounds[1:], strict=True):
+            own = np.abs(s.logprobs[a:b] - recomputed[v % 2][a:b]).max()
+            other = np.abs(s.logprobs[a:b] - recomputed[1 - v % 2][a:b]).max()
+            print(f"v{v} tokens [{a}, {b}): |lp - own| {own:.2e}, |lp - other| {other:.2e}")
+            assert own < LOGPROB_TOL  # KV recomputed with the new weights on resume
+            assert other > 100 * LOGPROB_TOL  # really another model
     engine.load_weights(models[0])
+
+
+def test_a_sample_that_starts_after_a_swap_is_the_new_versions(engine: AsyncVLLMEngine,
+                                                              models: tuple[Path, Path], tmp_path: Path) -> None:
+    """The engine's label, not the version a group was submitted with, says which weights sampled: a group
+    submitted as v5 whose first token comes after a swap to v6 is all v6."""
+    tok = AutoTokenizer.from_pretrained(models[0])
+    engine.swap(weights_only_dir(models[0], tmp_path / "v6"), version=6)
+    engine.submit("late", tok.encode(PROMPTS[1]), 2, SamplingConfig(max_tokens=4), version=5, seed=4)
+    [done] = wait_for(engine)
+    assert done.samples is not None and all(s.spans == ((6, 0),) for s in done.samples)
+    engine.load_weights(models[0])  # weights of no known version: the label goes with them
+    engine.submit("after", tok.encode(PROMPTS[1]), 2, SamplingConfig(max_tokens=4), version=7, seed=5)
+    [done] = wait_for(engine)
+    assert done.samples is not None and all(s.spans == ((7, 0),) for s in done.samples)
 
 
 def test_groups_finish_in_their_own_order_and_aborted_ones_never_arrive(engine: AsyncVLLMEngine,

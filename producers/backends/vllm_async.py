@@ -14,10 +14,12 @@ weights* and every later token is sampled from the new policy given that prefix 
 instead). Each token's behaviour logprob is what the engine returned when it sampled it, i.e. from the weights
 that sampled it; each sample's ``spans`` records ``(version, first token)`` for every version behind its tokens.
 
-The boundary of a span is the number of tokens a request had when the engine paused. Outputs of the steps
-before the pause leave the engine core before the pause completes but reach a request's stream through a few
-asyncio tasks, so the swap yields to the loop (``_DRAIN_S``) before it reads the counts; the vLLM test checks
-the boundary against an HF recompute with each version's weights.
+The boundaries are vLLM's own: the swap labels the engine with the new version while it is paused
+(``update_weight_version``), every step's outputs carry the label of the weights that computed them, and a finished
+request reports ``(label, start, end)`` per version behind its tokens (``CompletionOutput.weight_versions``).
+Exact by construction, with no wait for outputs still in transit; the vLLM test checks the boundary against an
+HF recompute with each version's weights. A label the engine never got (no swap yet) is the group's submitted
+version.
 
 Also a :class:`~grpo_producers.backends.base.Backend` (``generate`` / ``load_weights``), so the batch loop runs
 on it too: one interface for both loops.
@@ -32,7 +34,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,36 +44,22 @@ from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, Sa
 from grpo_producers.backends.vllm import engine_kwargs, require_weights, sampling_params
 
 T = TypeVar("T")
-_DRAIN_S = 0.05  # the loop's time to move outputs already emitted into the request streams (see above)
+_UNLABELLED = "default"  # vLLM's weight-version label before any set_weight_version
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
-@dataclass
-class _Request:
-    """One sample being generated: what has arrived so far and which version sampled which tokens."""
-
-    rid: str
-    spans: list[tuple[int, int]]  # (version, first token index); the first starts at 0
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    finish: str | None = None
-
-    def new_version(self, version: int) -> None:
-        """From the next token on, ``version`` samples (a version that sampled nothing is replaced)."""
-        start = len(self.tokens)
-        if self.spans[-1][1] == start:
-            self.spans[-1] = (version, start)
-        else:
-            self.spans.append((version, start))
-
-    def sample(self) -> Sample:
-        if self.finish not in ("stop", "length"):
-            raise RuntimeError(f"vLLM finished request {self.rid} with reason {self.finish!r}")
-        finish: FinishReason = self.finish  # type: ignore[assignment]
-        spans = tuple(self.spans) if len(self.tokens) else ((self.spans[-1][0], 0),)
-        return Sample(np.asarray(self.tokens, dtype=np.int32), np.asarray(self.logprobs, dtype=np.float32),
-                      finish, "".join(self.text), spans=spans)
+def _sample(rid: str, c: Any, version: int) -> Sample:
+    """One finished sample; its spans are vLLM's weight-version spans (a label never set: ``version``)."""
+    if c.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished request {rid} sample {c.index} with reason {c.finish_reason!r}")
+    if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+        raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
+    spans = tuple((version if w.version == _UNLABELLED else int(w.version), w.start)
+                  for w in c.weight_versions or () if w.end > w.start) or ((version, 0),)
+    logprobs = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
+    finish: FinishReason = c.finish_reason
+    return Sample(np.asarray(c.token_ids, dtype=np.int32), np.asarray(logprobs, dtype=np.float32), finish,
+                  c.text, spans=spans)
 
 
 @dataclass
@@ -94,7 +82,6 @@ class AsyncVLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True)
         self._thread.start()
         self._groups: dict[str, concurrent.futures.Future[list[Sample]]] = {}
-        self._live: dict[str, _Request] = {}  # rid -> request, touched on the engine's loop only
         self._done: queue.Queue[Finished] = queue.Queue()
         self._lock = threading.Lock()
         self.engine = self._call(self._start(cfg))
@@ -171,40 +158,30 @@ class AsyncVLLMEngine:
     async def _swap(self, path: str, version: int) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
-            await asyncio.sleep(_DRAIN_S)
-            for req in self._live.values():
-                req.new_version(version)
+            # Labelled while paused, so every output of a step after this one carries the new version.
+            await self.engine.update_weight_version(str(version))
             await self.engine.collective_rpc("grpo_reload_weights", args=(path,))
         finally:
             await self.engine.resume_generation()
 
     async def _group(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
                      seed: int | None) -> list[Sample]:
-        reqs = [_Request(f"{key}/{j}/{uuid.uuid4().hex[:8]}", [(version, 0)]) for j in range(n)]
-        try:
-            await asyncio.gather(*(self._one(r, prompt, _params(sampling, None if seed is None else seed + j))
-                                   for j, r in enumerate(reqs)))
-        except BaseException:
-            await self.engine.abort([r.rid for r in reqs])
-            raise
-        return [r.sample() for r in reqs]
-
-    async def _one(self, req: _Request, prompt: list[int], params: Any) -> None:
+        """One request of ``n`` samples (vLLM's parallel sampling: the prompt is processed once, sample j's
+        seed is ``seed + j``), delivered once, when all of them are done."""
         from vllm import TokensPrompt
 
-        self._live[req.rid] = req
+        rid = f"{key}/{uuid.uuid4().hex[:8]}"
+        final = None
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt)), params, req.rid):
-                c = out.outputs[0]
-                if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
-                    raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
-                req.tokens += c.token_ids
-                req.logprobs += [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
-                req.text.append(c.text)
-                if out.finished:
-                    req.finish = c.finish_reason
-        finally:
-            self._live.pop(req.rid, None)
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt)),
+                                                  _params(sampling, n, seed), rid):
+                final = out
+        except BaseException:
+            await self.engine.abort(rid)
+            raise
+        if final is None or not final.finished or len(final.outputs) != n:
+            raise RuntimeError(f"vLLM ended request {rid} without its {n} samples")
+        return [_sample(rid, c, version) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # ---- the batch interface (Backend) -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:
@@ -219,10 +196,12 @@ class AsyncVLLMEngine:
         return [[dataclasses.replace(s, spans=()) for s in group] for group in self._call(batch())]
 
     def load_weights(self, model_dir: Path) -> None:
-        """Reload with nothing in flight (the batch loop swaps between batches); KV computed before is dropped."""
+        """Reload with nothing in flight (the batch loop swaps between batches); KV computed before is dropped.
+        The engine's version label is cleared: a later group's tokens are its submitted version's."""
         require_weights(model_dir)
         self._call(self.engine.collective_rpc("grpo_reload_weights", args=(str(model_dir),)))
         self._call(self.engine.reset_prefix_cache())
+        self._call(self.engine.update_weight_version(_UNLABELLED))
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)
@@ -236,8 +215,10 @@ class AsyncVLLMEngine:
         self._thread.join(_SHUTDOWN_TIMEOUT_S)
 
 
-def _params(sampling: SamplingConfig, seed: int | None) -> Any:
-    """One sample per request, streamed as deltas (the swap counts each request's tokens so far)."""
+def _params(sampling: SamplingConfig, n: int, seed: int | None) -> Any:
+    """``n`` samples in one request, delivered once, when all are done. Streaming every step's tokens (DELTA)
+    costs Python work per request per step in this process, on the core generation runs on: fewer tokens/s,
+    and nothing needs them (the version spans come with the final output)."""
     from vllm.sampling_params import RequestOutputKind
 
-    return sampling_params(sampling, 1, seed, output_kind=RequestOutputKind.DELTA)
+    return sampling_params(sampling, n, seed, output_kind=RequestOutputKind.FINAL_ONLY)

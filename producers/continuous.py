@@ -1,8 +1,10 @@
 """The producer's continuous loop (``weights.swap: inflight``): groups in flight, no batch barrier.
 
 Up to ``max_inflight_groups`` prompt groups are in the engine at once. A prompt is taken from Kafka the moment a
-group finishes, and each group is published (and acknowledged) as soon as its G samples are done, so the longest
-sample of a batch no longer holds up the rest. Newer weights are loaded under the requests in flight
+group finishes, and each group is sent as soon as its G samples are done, so the longest sample of a batch no
+longer holds up the rest. The loop does not wait for the broker's acks: a group counts as published (its prompt
+done) once every ack has come in, checked on each turn of the loop, while the engine's freed slots already hold
+new prompts. Newer weights are loaded under the requests in flight
 (:meth:`~grpo_producers.backends.vllm_async.AsyncVLLMEngine.swap`); a completion then records the version
 behind each of its tokens.
 
@@ -32,7 +34,7 @@ from grpo_producers.backends.base import Sample, StreamingBackend
 from grpo_producers.backpressure import pause_reason
 
 if TYPE_CHECKING:
-    from grpo_producers.service import Job, Producer
+    from grpo_producers.service import Job, Producer, Sent
 
 log = logging.getLogger("producer")
 _GENERATION_ATTEMPTS = 2  # one retry for a group whose generation failed (an engine hiccup), then dead-letter
@@ -84,6 +86,7 @@ class ContinuousLoop:
         self.limit = self.cfg.max_inflight_groups or max(1, engine.capacity() // self.cfg.pipeline.group_size)
         self.marks = PromptWatermark()
         self.flight: dict[str, InFlight] = {}
+        self.unacked: list[tuple[InFlight, Sent, float]] = []  # (group, sends, gen s): prompts still pending
         self.published, self.submitted = 0, 0
         self._committed: dict[Partition, int] = {}
         self._reason, self._checked_at = "", 0.0
@@ -96,6 +99,7 @@ class ContinuousLoop:
             self._follow_weights()
             took = self._admit()
             self._collect(0.0 if took else 0.1)
+            self._confirm()
             self._commit()
             if self._idle_too_long(took):
                 break
@@ -189,13 +193,25 @@ class ContinuousLoop:
         self.p.metrics.inflight.set(len(self.flight))
 
     def _publish(self, g: InFlight, samples: list[Sample]) -> None:
+        """Send the group's completions and go on: waiting here for the acks would leave the engine's freed
+        slots empty for a broker round trip per group. :meth:`_confirm` publishes it once acknowledged."""
         gen_s = time.perf_counter() - g.started
-        tokens = self.p.publish([(g.job, samples)], g.version, gen_s)
-        self.marks.done(g.tp, g.job.msg.offset)
-        self.published += 1
-        self.p.failed_batches = 0
-        self.p.metrics.batch_seconds.observe(gen_s)
-        log.debug("group %s: %d tokens in %.2fs", g.job.task.group_id, tokens, gen_s)
+        self.unacked.append((g, self.p.send([(g.job, samples)], g.version, gen_s), gen_s))
+
+    def _confirm(self, wait: bool = False) -> None:
+        """Publish the sent groups whose acks are all in (``wait``: all of them); only then is a prompt done."""
+        still: list[tuple[InFlight, Sent, float]] = []
+        for g, sent, gen_s in self.unacked:
+            if not (wait or sent.acknowledged()):
+                still.append((g, sent, gen_s))
+                continue
+            tokens = self.p.confirm(sent)  # resends a failed send and waits for it, as the batch loop does
+            self.marks.done(g.tp, g.job.msg.offset)
+            self.published += 1
+            self.p.failed_batches = 0
+            self.p.metrics.batch_seconds.observe(gen_s)
+            log.debug("group %s: %d tokens in %.2fs", g.job.task.group_id, tokens, gen_s)
+        self.unacked = still
 
     def _failed(self, g: InFlight, error: BaseException | None) -> None:
         p = self.p
@@ -233,7 +249,7 @@ class ContinuousLoop:
         if not p.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
             p.last_prompt_at = time.monotonic()
             return False
-        if took or self.flight:
+        if took or self.flight or self.unacked:
             return False
         p._watch_lag()
         return bool(self.cfg.idle_timeout_s) and time.monotonic() - p.last_prompt_at > self.cfg.idle_timeout_s
@@ -246,4 +262,5 @@ class ContinuousLoop:
         for key in list(self.flight):
             self.engine.abort(key)
         self.flight.clear()
+        self._confirm(wait=True)
         self._commit()

@@ -33,6 +33,7 @@ from grpo_core.kafka_io import (
     DeadLetters,
     Partition,
     Record,
+    SendFuture,
     acked,
     assigned_lag,
     commit_processed,
@@ -63,6 +64,20 @@ class Job:
     msg: Record
     task: wire.PromptTask
     prompt_ids: list[int]
+
+
+@dataclass
+class Sent:
+    """Completions handed to the client, acks not yet checked (see :meth:`Producer.confirm`)."""
+
+    futures: list[tuple[SendFuture, Callable[[], SendFuture]]]
+    groups: int
+    tokens: int
+
+    def acknowledged(self) -> bool:
+        """Every send has an answer (an ack or an error): :meth:`Producer.confirm` returns without waiting
+        unless it has to resend."""
+        return all(future.is_done for future, _ in self.futures)
 
 
 class Producer:
@@ -236,6 +251,11 @@ class Producer:
 
     def publish(self, groups: list[tuple[Job, list[Sample]]], version: int, gen_s: float) -> int:
         """Send every completion of ``groups`` and wait for the broker's acks; the tokens published."""
+        return self.confirm(self.send(groups, version, gen_s))
+
+    def send(self, groups: list[tuple[Job, list[Sample]]], version: int, gen_s: float) -> Sent:
+        """Send every completion of ``groups`` without waiting: they count as published once :meth:`confirm`
+        has seen every ack (the continuous loop goes on generating meanwhile)."""
         futures = []
         attempt = uuid.uuid4().hex[:12]
         for job, group in groups:
@@ -244,14 +264,17 @@ class Producer:
                 send = functools.partial(self.sender.send, self.cfg.pipeline.topic("completions"),
                                          key=job.task.group_id.encode(), value=wire.encode(record))
                 futures.append((send(), send))
-        for future, send in futures:  # every completion acknowledged before the prompt offsets are committed
+        return Sent(futures, len(groups), sum(len(s.token_ids) for _, group in groups for s in group))
+
+    def confirm(self, sent: Sent) -> int:
+        """Wait for (or resend until) every ack of ``sent``; the tokens published."""
+        for future, send in sent.futures:  # every completion acknowledged before the prompt offsets are committed
             acked(future, send, f"producer: completions of {self.cfg.pipeline.topic('prompts')}")
-        tokens = sum(len(s.token_ids) for _, group in groups for s in group)
-        self.metrics.tokens.inc(tokens)
-        self.metrics.completions.inc(len(futures))
-        self.metrics.groups.inc(len(groups))
+        self.metrics.tokens.inc(sent.tokens)
+        self.metrics.completions.inc(len(sent.futures))
+        self.metrics.groups.inc(sent.groups)
         self.liveness.progressed()
-        return tokens
+        return sent.tokens
 
     def _generate(self, prompts: list[list[int]]) -> list[list[Sample]] | None:
         """One retry for a failed batch (a transient engine hiccup); then the caller dead-letters it."""

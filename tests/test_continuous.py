@@ -51,6 +51,47 @@ def test_the_watermark_waits_for_the_lowest_unfinished_prompt() -> None:
     assert marks.commit_points() == {other: 2}
 
 
+def test_a_sent_group_is_done_only_once_every_ack_is_in() -> None:
+    """The loop sends a finished group and goes on generating; the prompt's offset may pass only once the
+    broker has acknowledged all of its completions (a kill -9 before that re-reads the prompt)."""
+    from types import SimpleNamespace
+
+    from grpo_producers.continuous import ContinuousLoop, InFlight
+    from grpo_producers.service import Sent
+
+    class Future:
+        is_done = False
+
+    tp = TopicPartition("p", 0)
+    confirmed: list[Sent] = []
+    metrics = SimpleNamespace(batch_seconds=SimpleNamespace(observe=lambda s: None))
+    loop = ContinuousLoop.__new__(ContinuousLoop)
+    loop.p = SimpleNamespace(confirm=lambda sent: confirmed.append(sent) or sent.tokens, metrics=metrics,
+                             failed_batches=0)
+    loop.marks, loop.unacked, loop.published = PromptWatermark(), [], 0
+    futures = {off: [Future(), Future()] for off in (10, 11)}
+    for off in (10, 11):
+        loop.marks.take(tp, off)
+        job = SimpleNamespace(msg=SimpleNamespace(offset=off), task=SimpleNamespace(group_id=f"g{off}"))
+        loop.unacked.append((InFlight(f"g{off}", job, tp, 0), Sent([(f, None) for f in futures[off]], 1, 5), 0.1))
+    loop.marks.read(tp, 12)
+    futures[11][0].is_done = futures[11][1].is_done = True  # the later group's acks are in, the earlier's not
+    futures[10][0].is_done = True
+    loop._confirm()
+    assert loop.published == 1 and [s.futures[0][0] for s in confirmed] == [futures[11][0]]
+    assert loop.marks.commit_points() == {tp: 10}  # not past the unacknowledged prompt
+    futures[10][1].is_done = True
+    loop._confirm()
+    assert loop.published == 2 and loop.unacked == [] and loop.marks.commit_points() == {tp: 12}
+    loop.marks.take(tp, 12)
+    loop.marks.read(tp, 13)
+    loop.unacked.append((InFlight("g12", SimpleNamespace(msg=SimpleNamespace(offset=12),
+                                                         task=SimpleNamespace(group_id="g12")), tp, 0),
+                         Sent([(Future(), None)], 1, 5), 0.1))
+    loop._confirm(wait=True)  # stopping: confirm() waits for (or resends) what is still unanswered
+    assert loop.published == 3 and loop.marks.commit_points() == {tp: 13}
+
+
 def test_swap_mode_resolves_per_backend_and_refuses_inflight_without_an_engine() -> None:
     base = ["backend.model=/m"]
     assert load_config(ProducerConfig, None, base).swap_mode == "between_batches"  # hf: batch path only

@@ -525,3 +525,26 @@ def test_fs_writes_the_next_version_over_the_retired_one(tmp_path: Path) -> None
     assert ann.sha256 == sha256_file(path) and ann.size_bytes == len(data)
     assert spare.exists() and spare.stat().st_ino != inode  # v2's file is the next spare
     assert _fetcher(cfg, KafkaConfig()).fetch(ann).read_bytes() == data
+
+
+@pytest.mark.parametrize("size", [0, 1, 5000, 3 * 8 * MiB + 7])
+@pytest.mark.parametrize("read_at_most", [None, 1000])
+def test_pump_copies_and_hashes_every_byte(size: int, read_at_most: int | None) -> None:
+    """One piece (a small model) is hashed inline, more go through the hashing thread; short reads (a pipe, a
+    socket) must lose nothing either way."""
+    import io
+
+    from grpo_core.weights.common import pump
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    class Short(io.RawIOBase):
+        def __init__(self) -> None:
+            self.src = io.BytesIO(data)
+
+        def readinto(self, b: bytearray | memoryview) -> int:
+            return self.src.readinto(memoryview(b)[:read_at_most] if read_at_most else b)
+
+    hasher, out = hashlib.sha256(), io.BytesIO()
+    assert pump(Short(), hasher, out) == size
+    assert out.getvalue() == data and hasher.hexdigest() == hashlib.sha256(data).hexdigest()

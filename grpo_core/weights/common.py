@@ -68,8 +68,15 @@ def pump(src: BinaryIO, hasher: Any, dst: BinaryIO | None = None) -> int:
     The hash of a piece runs on a thread while this one writes it and reads the next (hashlib, file reads and
     writes all release the GIL): at 1 GB the sha256 (~0.6 s here) no longer adds to the read/write time."""
     bufs = (bytearray(IO_BYTES), bytearray(IO_BYTES))
-    k, total = 0, 0
     n = src.readinto(bufs[0])
+    ahead: int | None = src.readinto(bufs[1]) if n else 0
+    if not ahead:  # one piece (a small model, swapped often): no hashing thread to start and join
+        piece = memoryview(bufs[0])[:n]
+        hasher.update(piece)
+        if dst is not None:
+            write_all(dst, piece)
+        return n
+    k, total = 0, 0
     with ThreadPoolExecutor(1, thread_name_prefix="hash") as pool:
         while n:
             piece = memoryview(bufs[k])[:n]
@@ -77,7 +84,9 @@ def pump(src: BinaryIO, hasher: Any, dst: BinaryIO | None = None) -> int:
             if dst is not None:
                 write_all(dst, piece)
             k ^= 1
-            n_next = src.readinto(bufs[k])  # the other buffer: the hash is still reading this one's sibling
+            # The other buffer (already read once, above): the hash is still reading this one's sibling.
+            n_next = ahead if ahead is not None else src.readinto(bufs[k])
+            ahead = None
             hashed.result()
             total, n = total + n, n_next
     return total

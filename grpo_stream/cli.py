@@ -94,7 +94,7 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import async_bench
 
         return async_bench.main(budget_s=args.budget, repeats=args.repeats, target=args.target, short=args.short,
-                                out=args.out)
+                                out=args.out, arms=args.arms)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")
     b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
     b.add_argument("--out", default="runs/bench-async", help="async: output directory")
+    b.add_argument("--arms", default=None, help="async: only these arms, comma-separated (S, S-hybrid, "
+                                                "P-v1-between, P-v1-inflight, P-v4-between, P-v4-inflight)")
     b.set_defaults(fn=_bench)
 
     r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")

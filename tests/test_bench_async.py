@@ -34,6 +34,19 @@ def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsy
     assert (tmp_path / "async.png").stat().st_size > 1000
 
 
+def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert ab.pick_arms(False, None) == ab.ARMS and ab.pick_arms(True, None) == ab.SHORT_ARMS
+    picked = ab.pick_arms(False, "P-v1-between, p v1 inflight")
+    assert [a.name for a in picked] == ["P v1 between", "P v1 inflight"]
+    with pytest.raises(SystemExit, match="unknown arm.*P-v9"):
+        ab.pick_arms(False, "S,P-v9")
+    summary = ab.report({"P v1 inflight": [fake([(0, 0.3), (2, 0.6)])]}, 0.6, tmp_path)
+    assert summary["ideal_ratio"] is None and summary["best_pipeline_ratio"] is None
+    assert summary["arms"]["P v1 inflight"]["median"]["time_to_target_s"] == 2
+    assert "no arm S in this run" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("vllm")

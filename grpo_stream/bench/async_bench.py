@@ -202,13 +202,17 @@ def _fmt(v: Any) -> str:
 
 
 def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -> dict[str, Any]:
-    s_runs = results["S"]
-    gen, train = statistics.fmean(r["gen_s"] for r in s_runs), statistics.fmean(r["train_s"] for r in s_runs)
-    ideal = max(gen, train) / (gen + train)
+    s_runs = results.get("S", [])
+    gen = statistics.fmean(r["gen_s"] for r in s_runs) if s_runs else None
+    train = statistics.fmean(r["train_s"] for r in s_runs) if s_runs else None
+    ideal = max(gen, train) / (gen + train) if gen is not None and train is not None else None
     sync_ttt = statistics.median([t for t in (time_to(r["curve"], target) for r in s_runs) if t is not None] or [0])
     table: dict[str, Any] = {}
-    print(f"target held-out reward {target}; S: gen {gen:.1f}s + train {train:.1f}s -> ideal ratio {ideal:.3f} "
-          f"(gen/train {gen / max(train, 1e-9):.2f})")
+    if gen is not None and train is not None:
+        print(f"target held-out reward {target}; S: gen {gen:.1f}s + train {train:.1f}s -> ideal ratio "
+              f"{ideal:.3f} (gen/train {gen / max(train, 1e-9):.2f})")
+    else:
+        print(f"target held-out reward {target}; no arm S in this run: no ratios to S, no ideal ratio")
     print(f"{'arm':<15} " + " ".join(f"{f:>17}" for f in FIELDS))
     for name, runs in results.items():
         rows = [arm_row(r, target, sync_ttt or None) for r in runs]
@@ -221,8 +225,8 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
                 f"{_fmt(table[name]['min'][f]) + '/' + _fmt(table[name]['max'][f]):>17}" for f in FIELDS))
     best = min((v["median"]["ratio_to_S"] for k, v in table.items() if k.startswith("P")
                 and v["median"]["ratio_to_S"] is not None), default=None)
-    print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {ideal:.3f}; "
-          f"gap {_fmt(None if best is None else best / ideal)} (target <= 1.15)")
+    print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {_fmt(ideal)}; "
+          f"gap {_fmt(None if best is None or ideal is None else best / ideal)} (target <= 1.15)")
     summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
                "best_pipeline_ratio": best, "arms": table,
                "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
@@ -260,17 +264,30 @@ def _plot(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     plt.close(fig)
 
 
+def pick_arms(short: bool, names: str | None) -> list[Arm]:
+    """The arms to run: ``--short``'s two, or those named (names or slugs, comma-separated), or all."""
+    if not names:
+        return SHORT_ARMS if short else ARMS
+    by_key = {k.lower(): arm for arm in ARMS for k in (arm.name, arm.slug)}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n.lower() not in by_key]
+    if unknown:
+        raise SystemExit(f"bench async --arms: unknown arm(s) {unknown}; known: {[a.slug for a in ARMS]}")
+    return [by_key[n.lower()] for n in wanted]
+
+
 def main(budget_s: float = 90.0, repeats: int = 1, target: float = 0.6, short: bool = False,
-         out: str = "runs/bench-async") -> int:
+         out: str = "runs/bench-async", arms: str | None = None) -> int:
     from grpo_stream.demo_model import task_items
 
+    chosen = pick_arms(short, arms)
     root = Path(out)
     shutil.rmtree(root, ignore_errors=True)
     model = prepare_model()
     prompts, answers = task_items(TASK, "eval")
     results: dict[str, list[dict[str, Any]]] = {}
     for rep in range(repeats):
-        for arm in SHORT_ARMS if short else ARMS:
+        for arm in chosen:
             arm_out = root / f"r{rep}" / arm.slug
             print(f"[bench async] repeat {rep + 1}/{repeats}: {arm.name} for {budget_s:.0f}s", flush=True)
             result = (run_pipeline_arm if arm.pipeline else run_sync_arm)(model, arm, budget_s, arm_out)

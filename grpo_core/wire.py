@@ -8,6 +8,15 @@ decode+validate well above 200 MB/s on one core. Decoded arrays are read-only vi
 Decoding validates everything a consumer relies on (types, required fields, token/logprob lengths, finite
 floats, size caps, cross-field invariants) and raises exactly one error type, :class:`WireError`, whatever the
 input bytes are. Consumers turn a ``WireError`` into a dead-letter record and move on.
+
+**Schema evolution** (the usual Kafka rule): ``_v`` is the schema's *major* version. An additive change -- a new
+optional field, omitted while empty -- keeps the major: older readers ignore fields they do not know, newer
+readers default the ones a record lacks, so roles upgrade one at a time. A breaking change (a field removed,
+renamed, retyped or made required) bumps :data:`SCHEMA_VERSION` and adds an entry to :data:`UPGRADES` that
+turns a body of the older major into the current one: a reader decodes every major it ever wrote, so a recorded
+``groups`` log stays trainable. A record of a newer major than the reader's is refused with a message that says
+to upgrade the reader. ``tests/golden/`` holds one record of every type for every major (never rewritten) and
+the tests decode (and train on) each.
 """
 
 from __future__ import annotations
@@ -24,7 +33,10 @@ from typing import Any, ClassVar, TypeVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # the major version this code writes (see "Schema evolution" above)
+# Every major this code ever wrote -> the function that turns such a body into the current major's (None: it is
+# the current one). A bump adds the old major here; no entry is ever removed.
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]] | None] = {1: None}
 
 # Size caps: a record beyond these is garbage or an attack, never a legitimate rollout.
 MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -390,13 +402,23 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise WireError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     _require(isinstance(body, dict), f"expected a msgpack map, got {type(body).__name__}")
     version, tag = body.pop("_v", None), body.pop("_t", None)
-    _require(type(version) is int and version == SCHEMA_VERSION,
-             f"schema version {version!r} not supported (expected {SCHEMA_VERSION})")
+    body = _upgraded(body, version)
     cls = RECORD_TYPES.get(tag) if isinstance(tag, str) else None
     _require(cls is not None, f"unknown record type {tag!r}")
     if expected is not None:
         _require(cls is expected, f"expected a {expected.TYPE} record, got {tag!r}")
     return typing.cast(R, _from_wire(cls, body, tag))  # type: ignore[arg-type]
+
+
+def _upgraded(body: dict[str, Any], version: Any) -> dict[str, Any]:
+    """The body in the current major's shape (see "Schema evolution" above)."""
+    _require(type(version) is int, f"schema version {version!r} not supported: expected an int major version")
+    _require(version <= SCHEMA_VERSION, f"schema version {version} is newer than this reader's "
+                                        f"({SCHEMA_VERSION}): upgrade grpo-stream where this record is read")
+    _require(version in UPGRADES, f"schema version {version} not supported: this reader decodes majors "
+                                  f"{sorted(UPGRADES)}")
+    upgrade = UPGRADES[version]
+    return body if upgrade is None else upgrade(body)
 
 
 def _from_wire(cls: type[R], body: Any, where: str) -> R:
@@ -413,9 +435,7 @@ def _from_wire(cls: type[R], body: Any, where: str) -> R:
                 raise WireError(f"{where}.{name}: {exc}") from None
         elif spec.required:
             raise WireError(f"{where}.{name}: required field missing")
-    if len(kwargs) != len(body):
-        unknown = sorted(map(str, body.keys() - kwargs.keys()))
-        raise WireError(f"{where}: unknown fields {unknown[:5]}")
+    # Fields this reader does not know are ignored: a newer writer's additive fields (see "Schema evolution").
     record = cls(**kwargs)
     try:
         record.validate()

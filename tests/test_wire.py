@@ -704,13 +704,32 @@ def test_group_members_must_share_group_size() -> None:
     assert_rejected(body, "group_size")
 
 
-def test_unknown_extra_field() -> None:
+def test_a_newer_writers_additive_fields_are_ignored() -> None:
+    """Schema evolution: a field this reader does not know (a newer writer's optional one) is ignored, at the
+    top and inside nested records, so roles upgrade one at a time."""
     body = to_dict(small_completion())
-    body["surprise"] = 1
-    assert_rejected(body, "unknown fields", "surprise")
+    body["surprise"] = {"any": [1, 2]}
+    assert wire.decode(pack(body), wire.Completion) == small_completion()
     body = to_dict(small_group())
     body["completions"][0]["also_surprise"] = "x"
-    assert_rejected(body, "[0]", "unknown fields", "also_surprise")
+    assert wire.decode(pack(body), wire.ScoredGroup) == small_group()
+
+
+@pytest.mark.parametrize(("version", "fragment"), [(2, "newer than this reader's (1): upgrade"),
+                                                   (99, "newer than this reader's"),
+                                                   (0, "this reader decodes majors [1]")])
+def test_a_major_version_is_read_only_if_this_reader_ever_wrote_it(version: int, fragment: str) -> None:
+    body = to_dict(small_completion())
+    body["_v"] = version
+    assert_rejected(body, "schema version", fragment)
+
+
+def test_an_older_major_is_upgraded_on_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """How a breaking change is carried: major 2 renames a field; a major-1 body is upgraded, not refused."""
+    monkeypatch.setattr(wire, "UPGRADES", {0: lambda b: {**b, "task": b.pop("kind")}, 1: None})
+    body = to_dict(small_completion())
+    body["_v"], body["kind"] = 0, body.pop("task")
+    assert wire.decode(pack(body), wire.Completion) == small_completion()
 
 
 def test_non_str_map_key_in_metadata() -> None:

@@ -106,11 +106,23 @@ def _run(args: argparse.Namespace) -> int:
     return main(args.config, args.overrides)
 
 
-def _report(args: argparse.Namespace) -> int:
-    from grpo_stream.report import write_report
+def _inspect(args: argparse.Namespace) -> int:
+    from grpo_stream import inspect_run
 
-    print(write_report(args.run_dir))
+    return inspect_run.main(args.run_dir, step=args.step, group=args.group, as_json=args.json)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from grpo_stream.report import write_comparison, write_report
+
+    print(write_comparison([args.run_dir, *args.compare]) if args.compare else write_report(args.run_dir))
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from grpo_stream import replay
+
+    return replay.main(args.run_dir, args.out, args.overrides, args.ablation)
 
 
 def _k8s(args: argparse.Namespace) -> int:
@@ -199,7 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="rebuild report.png of a run directory")
     rp.add_argument("run_dir", help="runs/<name>")
+    rp.add_argument("--compare", nargs="+", default=None, metavar="DIR",
+                    help="overlay these runs with RUN_DIR (reward and loss vs step) into RUN_DIR/compare.png")
     rp.set_defaults(fn=_report)
+
+    rl = sub.add_parser("replay", help="train a fresh learner on a run's recorded groups (no generation)")
+    rl.add_argument("run_dir", help="runs/<name>")
+    rl.add_argument("--ablation", action="store_true",
+                    help="re-batch the trained groups under the overrides (default: exact, no overrides)")
+    rl.add_argument("--out", default=None, help="output run directory (default RUN_DIR-replay[-ablation])")
+    rl.add_argument("overrides", nargs="*", help="ablation: learner key=value overrides")
+    rl.set_defaults(fn=_replay)
+
+    ins = sub.add_parser("inspect", help="what the learner trained on, read back from a run's lineage and topics")
+    ins.add_argument("run_dir", help="runs/<name>")
+    view = ins.add_mutually_exclusive_group()
+    view.add_argument("--step", type=int, default=None, help="the groups trained and dropped at this learner step")
+    view.add_argument("--group", default=None, help="one group id end to end (prompt -> completions -> step)")
+    view.add_argument("--summary", action="store_true", help="per step range, and dead letters (the default)")
+    ins.add_argument("--json", action="store_true", help="JSON instead of text tables")
+    ins.set_defaults(fn=_inspect)
 
     k8 = sub.add_parser("k8s", help="generate/check ops/k8s files derived from configs/ (topics, ConfigMaps)")
     k8.add_argument("action", choices=["generate", "check", "topics"])

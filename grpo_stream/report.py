@@ -2,6 +2,8 @@
 
 Panels: reward vs learner step (train: the mean reward of each step's groups; held-out: eval.jsonl points),
 the staleness histogram of trained groups (from the lineage), and learner throughput over wall time.
+``grpo-stream report --compare DIR DIR ...`` overlays runs instead (a replay beside its original, ablations):
+train reward and loss vs step, one line per run, into the first directory's ``compare.png``.
 """
 
 from __future__ import annotations
@@ -50,3 +52,27 @@ def write_report(run_dir: str | Path) -> Path:
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def write_comparison(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [Path(d) for d in run_dirs]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, run in enumerate(runs):
+        metrics = list(read_lines(run / "metrics.jsonl"))
+        steps = [m["step"] for m in metrics]
+        for ax, key in zip(axes, ("reward_mean", "loss"), strict=True):
+            ax.plot(steps, [m.get(key, float("nan")) for m in metrics], lw=0.9, color=f"C{i}", label=run.name)
+    axes[0].set(title="train reward (batch mean)", xlabel="learner step")
+    axes[1].set(title="loss", xlabel="learner step")
+    for ax in axes:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path = Path(out) if out else runs[0] / "compare.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ from grpo_stream.chaos import KILLABLE, Chaos, chaos_config, schedule
 from grpo_stream.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
+REPLAY_LOSS_TOL = 1e-4  # measured: see the README's replay paragraph
 
 
 def test_the_schedule_is_seeded_and_complete() -> None:
@@ -41,3 +42,93 @@ def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
     assert result.states["feeder"] == "finished" and result.states["learner"] == "running"
     producers = sorted(s for n, s in result.states.items() if n.startswith("producer"))
     assert producers == ["finished", "finished", "running"]  # scaled 1 -> 3 -> 1
+    inspect_the_run(tmp_path / "run")
+    replay_the_run(tmp_path / "run", tmp_path)
+
+
+def inspect_the_run(run_dir: Path) -> None:
+    """``grpo-stream inspect`` on the chaos run (its broker started again on its recorded ports): every field of
+    a trained group, a dropped group with its reason, a group end to end, the summary and the dead letters."""
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from grpo_core.jsonl import read_lines
+    from grpo_stream import inspect_run
+
+    lineage = list(read_lines(run_dir / "lineage.jsonl"))
+    log = inspect_run.RunLog.read(run_dir)
+    G = log.learner.pipeline.group_size
+    s = inspect_run.summary(log)
+    assert s["steps"] == len(lineage) and sum(r["trained"] for r in s["ranges"]) == sum(
+        len(line["trained"]) for line in lineage)
+    assert any("duplicate" in r["dropped"] for r in s["ranges"])
+    for topic in ("prompts", "completions", "groups"):
+        name = log.learner.pipeline.topic(topic)
+        assert sum(n for k, n in s["dead_letters"].items() if k.startswith(f"{name}: ")) >= 8, s["dead_letters"]
+
+    step = next(line["step"] for line in lineage if any(e["reason"].startswith("duplicate") for e in line["dropped"]))
+    view = inspect_run.step_view(log, step)
+    [dup] = [g for g in view["dropped"] if g["reason"].startswith("duplicate")]
+    assert dup["group_id"] and len(dup["completions"]) == G  # a dropped group is shown whole, with its reason
+    for g in view["trained"]:
+        assert {"group_id", "version", "staleness", "partition", "offset", "coordinates", "prompt_id", "prompt",
+                "verifier", "reward_mean"} <= set(g)
+        assert g["coordinates"] == f"{log.learner.pipeline.topic('groups')}/{g['partition']}/{g['offset']}"
+        assert [c["index"] for c in g["completions"]] == list(range(G))
+        for c in g["completions"]:
+            assert c["spans"][0][0] >= g["version"]  # the group's version is its oldest member's
+            assert c["producer"] and c["tokens"] > 0 and c["finish"] in ("stop", "length")
+        if len({c["reward"] for c in g["completions"]}) > 1:
+            assert abs(sum(c["advantage"] for c in g["completions"])) < 1e-6  # centred per group
+    text = inspect_run.format_step(view)
+    assert f"step {step}:" in text and "DROPPED: duplicate" in text
+
+    trained = view["trained"][0]["group_id"]
+    trace = inspect_run.group_trace(log, trained)
+    assert trace["prompts"] and len({c["index"] for c in trace["completions"]}) == G and trace["scored"]
+    assert any(o["trained"] and o["step"] == step for o in trace["outcome"])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert inspect_run.main(str(run_dir), group=trained, as_json=True) == 0
+    assert json.loads(out.getvalue())["group_id"] == trained
+
+
+def replay_the_run(run_dir: Path, tmp_path: Path) -> None:
+    """``grpo-stream replay`` on the chaos run (kills and restarts included): exact reproduces each step's
+    recorded loss; an ablation under another loss variant trains the same groups; a trimmed log is named."""
+    import json
+
+    from kafka import KafkaAdminClient, TopicPartition
+
+    from grpo_core.jsonl import read_lines
+    from grpo_stream import inspect_run, replay
+
+    exact = replay.replay(run_dir, tmp_path / "exact", [], ablation=False)
+    steps = [line for line in read_lines(run_dir / "lineage.jsonl") if "operator_skip" not in line]
+    assert exact["steps"] == len(steps) and len(exact["loss_diffs"]) == len(steps)
+    print(f"exact replay: max |loss - recorded| {exact['max_abs_loss_diff']:.3g} over {exact['steps']} steps")
+    assert exact["max_abs_loss_diff"] <= REPLAY_LOSS_TOL
+    assert (tmp_path / "exact" / "report.png").exists() and (tmp_path / "exact" / "metrics.jsonl").exists()
+
+    ablation = replay.replay(run_dir, tmp_path / "ablation", ["loss.variant=decoupled_ppo", "groups_per_batch=4"],
+                             ablation=True)
+    def ids(d: Path) -> list[str]:
+        return [e["group_id"] for line in read_lines(d / "lineage.jsonl") for e in line["trained"]]
+    assert ids(tmp_path / "ablation") == ids(tmp_path / "exact") == [e["group_id"] for line in steps
+                                                                       for e in line["trained"]]
+    assert ablation["steps"] == -(-len(ids(tmp_path / "exact")) // 4)
+    assert json.loads((tmp_path / "ablation" / "replay.json").read_text())["mode"] == "ablation"
+    from grpo_stream.report import write_comparison
+    assert write_comparison([run_dir, tmp_path / "exact", tmp_path / "ablation"]).stat().st_size > 1000
+    with pytest.raises(SystemExit, match="takes no overrides"):
+        replay.replay(run_dir, tmp_path / "x", ["loss.variant=cispo"], ablation=False)
+
+    log = inspect_run.RunLog.read(run_dir, topics=())
+    with inspect_run.run_cluster(run_dir, log.learner) as kafka:  # retention strikes: the first records go
+        admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+        admin.delete_records({TopicPartition(log.learner.pipeline.topic("groups"), 0): 3})
+        admin.close()
+    with pytest.raises(SystemExit, match=r"no longer in \S*groups \(partition 0: offsets \d+-\d+ \(\d+ records\)\).*"
+                                         r"trimmed by retention"):
+        replay.replay(run_dir, tmp_path / "trimmed", [], ablation=False)

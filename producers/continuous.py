@@ -112,7 +112,7 @@ class ContinuousLoop:
         p.weights.poll()
         target = p.weights.newest
         if target is not None and target.version != p.weights.version:
-            swap = p._try_swap(lambda model_dir: self.engine.swap(model_dir, target.version))
+            swap = p.try_swap(lambda model_dir: self.engine.swap(model_dir, target.version))
             if swap is not None:  # in use from the engine's next step on
                 p.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
         p.metrics.newest_version.set(p.weights.newest_version)
@@ -251,7 +251,7 @@ class ContinuousLoop:
             return False
         if took or self.flight or self.unacked:
             return False
-        p._watch_lag()
+        p.watch_lag()
         return bool(self.cfg.idle_timeout_s) and time.monotonic() - p.last_prompt_at > self.cfg.idle_timeout_s
 
     def _drain(self) -> None:

@@ -121,7 +121,7 @@ class Producer:
             if self.stopping:
                 break
             jobs, next_offsets = self.take_prompts()
-            self._watch_lag()
+            self.watch_lag()
             if not next_offsets:
                 if not self.prompts.assignment():  # idle only counts while we hold partitions (not mid-rebalance)
                     self.last_prompt_at = time.monotonic()
@@ -136,7 +136,7 @@ class Producer:
             self.batches += 1
         return self.batches
 
-    def _watch_lag(self) -> None:
+    def watch_lag(self) -> None:
         """Work is waiting while the prompts this producer holds have records it has not read (every few s)."""
         if time.monotonic() - self._lag_at >= 5.0:
             self._lag_at = time.monotonic()
@@ -150,7 +150,7 @@ class Producer:
         while not self.stopping:
             knobs = self.knobs.refresh()
             self.weights.poll()
-            swap = self._try_swap() or swap
+            swap = self.try_swap() or swap
             self.metrics.newest_version.set(self.weights.newest_version)
             backlog = self.measured_backlog(knobs)
             reason = pause_reason(knobs, backlog, self.weights.version, self.weights.newest_version)
@@ -175,7 +175,7 @@ class Producer:
         self.metrics.backlog.set(backlog)
         return backlog
 
-    def _try_swap(self, load: Callable[[Path], None] | None = None) -> Swap | None:
+    def try_swap(self, load: Callable[[Path], None] | None = None) -> Swap | None:
         """Fetch and ``load`` (default: the backend's between-batch load) newer announced weights, if any."""
         if not self.cfg.follow_weights:
             return None

@@ -25,12 +25,19 @@ from typing import Any, TypeVar
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
+from kafka.errors import (
+    IllegalSaslStateError,
+    KafkaError,
+    KafkaTimeoutError,
+    SaslAuthenticationFailedError,
+    UnknownTopicOrPartitionError,
+    UnsupportedSaslMechanismError,
+)
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from grpo_core import kafka_patches, wire
-from grpo_core.config import KafkaConfig
+from grpo_core.config import ConfigError, KafkaConfig
 from grpo_core.retry import backoff_delay as retry_delay
 from grpo_core.retry import retry
 
@@ -77,10 +84,51 @@ def redacted(settings: Mapping[str, Any]) -> dict[str, Any]:
     return {k: ("***" if "password" in k and v else v) for k, v in settings.items()}
 
 
+LOGIN_ERRORS = (SaslAuthenticationFailedError, UnsupportedSaslMechanismError, IllegalSaslStateError)
+
+
+class BrokerLoginError(ConfigError):
+    """The broker refused this client's credentials: a setting to fix, not an outage to wait out."""
+
+
+class _RefusedLoginEndsBootstrap(logging.Filter):
+    """kafka-python's bootstrap loop catches a refused SASL login, logs it and tries again until its
+    ``bootstrap_timeout_ms`` (30 s); then :func:`with_retry` would start it over: a wrong password would pass
+    for a broker outage for minutes. The loop logs the error object as an argument of that warning; raising it
+    from the log call ends the loop at once (:func:`_connect` turns it into :class:`BrokerLoginError`).
+    ``tests/test_security.py`` holds the pinned kafka-python to this."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for arg in record.args if isinstance(record.args, tuple) else ():
+            if isinstance(arg, LOGIN_ERRORS):
+                raise arg
+        return True
+
+
+_bootstrap_log = logging.getLogger("kafka.net.manager")
+_bootstrap_log.addFilter(_RefusedLoginEndsBootstrap())
+if _bootstrap_log.getEffectiveLevel() > logging.WARNING:  # a filter only sees records its logger lets through
+    _bootstrap_log.setLevel(logging.WARNING)
+
+
 def with_retry(fn: Callable[[], T], what: str, attempts: int = 10, backoff_s: float = 0.5) -> T:
     """Retry a broker call (connect, metadata, offsets) with exponential backoff (:func:`grpo_core.retry.retry`).
-    kafka-python 3 raises KafkaError subclasses when no broker answers, OSError for socket failures."""
-    return retry(fn, what, attempts=attempts, backoff_s=backoff_s, transient=(KafkaError, OSError))
+    kafka-python 3 raises KafkaError subclasses when no broker answers, OSError for socket failures; a refused
+    login is raised at once."""
+    return retry(fn, what, attempts=attempts, backoff_s=backoff_s, transient=(KafkaError, OSError),
+                 fatal=LOGIN_ERRORS)
+
+
+def _connect(make: Callable[[], T], cfg: KafkaConfig, role: str, what: str) -> T:
+    """A new client, retried while no broker answers; a refused login fails fast, naming what to check."""
+    try:
+        return with_retry(make, f"{role}: connect {what}")
+    except LOGIN_ERRORS as exc:
+        password = f"the password in ${cfg.sasl_password_env}" if cfg.sasl_password_env else "no password set"
+        raise BrokerLoginError(
+            f"{role}: the broker at {cfg.resolved_bootstrap()} refused the login of {what} (listener "
+            f"{cfg.security_protocol}, mechanism {cfg.sasl_mechanism}, user {cfg.sasl_username!r}): "
+            f"{type(exc).__name__}: {exc}. Check kafka.sasl_username and {password}") from None
 
 
 CLOSE_S = 10.0  # how long closing a producer waits for records still unacknowledged, then drops them
@@ -121,7 +169,7 @@ def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProduce
         "batch_size": 1024 * 1024,
         "allow_auto_create_topics": False,
     } | overrides
-    return with_retry(lambda: BoundedCloseProducer(**settings), f"{role}: connect producer")
+    return _connect(lambda: BoundedCloseProducer(**settings), cfg, role, "producer")
 
 
 def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Iterable[str] = (),
@@ -136,7 +184,7 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
         "isolation_level": "read_committed",
         "allow_auto_create_topics": False,
     } | overrides
-    consumer = with_retry(lambda: KafkaConsumer(**settings), f"{role}: connect consumer")
+    consumer = _connect(lambda: KafkaConsumer(**settings), cfg, role, "consumer")
     topics = list(topics)
     for topic in topics:
         # Subscribe only once the partitions are known: a group leader that assigns before its metadata has a
@@ -226,7 +274,7 @@ def require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
 
 
 def make_admin(cfg: KafkaConfig, role: str = "admin") -> KafkaAdminClient:
-    return with_retry(lambda: KafkaAdminClient(**client_settings(cfg, role)), f"{role}: connect admin")
+    return _connect(lambda: KafkaAdminClient(**client_settings(cfg, role)), cfg, role, "admin")
 
 
 # ------------------------------------------------------------------------------------------ the commit rule

@@ -23,14 +23,15 @@ def backoff_delay(attempt: int, backoff_s: float, max_delay_s: float = MAX_DELAY
 
 
 def retry(fn: Callable[[], T], what: str, *, attempts: int, backoff_s: float,
-          transient: tuple[type[BaseException], ...]) -> T:
+          transient: tuple[type[BaseException], ...], fatal: tuple[type[BaseException], ...] = ()) -> T:
     """Call ``fn`` up to ``attempts`` times, sleeping with exponential backoff after a ``transient`` failure;
-    the last failure (or any other exception) propagates unchanged."""
+    the last failure (or any other exception) propagates unchanged. ``fatal``: subclasses of a transient type
+    that no retry can heal (a refused login), raised at once."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except transient as exc:
-            if attempt == attempts:
+            if attempt == attempts or isinstance(exc, fatal):
                 raise
             delay = backoff_delay(attempt, backoff_s)
             log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc,

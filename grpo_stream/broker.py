@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from grpo_stream.broker_security import BrokerSecurity
+
 log = logging.getLogger(__name__)
 
 # Relative to the working directory (the checkout, where ops/setup.sh puts the jars), unless the environment or
@@ -204,6 +206,7 @@ class LocalBroker:
         controller_port: int | None = None,
         libs_dir: Path | str | None = None,
         heap_mb: int = 512,
+        security: BrokerSecurity | None = None,
     ) -> None:
         data = data_dir or os.environ.get(DATA_ENV) or DEFAULT_DATA_DIR
         libs = libs_dir or os.environ.get(LIBS_ENV) or DEFAULT_LIBS_DIR
@@ -217,6 +220,7 @@ class LocalBroker:
         if heap_mb < 128:
             raise BrokerError(f"heap_mb={heap_mb} is too small for a Kafka broker; use at least 128")
         self.heap_mb = int(heap_mb)
+        self.security = security  # None: a plaintext client listener; else SASL/SCRAM (+ TLS), see broker_security
         self._proc: subprocess.Popen[bytes] | None = None
 
     # ---- paths -------------------------------------------------------------------------------------
@@ -391,6 +395,8 @@ class LocalBroker:
             "socket.request.max.bytes": str(2 * MAX_MESSAGE_BYTES),
             "log.retention.hours": "168",
         }
+        if self.security is not None:
+            props |= self.security.server_props(self.port, self.controller_port)
         text = "# written by grpo_stream.broker; rewritten on every `up`\n"
         text += "".join(f"{k}={v}\n" for k, v in props.items())
         self.server_properties.write_text(text)
@@ -436,7 +442,8 @@ class LocalBroker:
         cluster_id = ours or new_cluster_id()
         self.cluster_id_file.write_text(cluster_id + "\n")
         cmd = [java, *self._jvm_common(), STORAGE_TOOL, "format", "--standalone", "-t", cluster_id,
-               "-c", str(self.server_properties)]  # fmt: skip
+               "-c", str(self.server_properties),
+               *(self.security.format_args() if self.security else [])]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if out.returncode != 0 or not meta.exists():
             raise BrokerError(
@@ -500,7 +507,9 @@ class LocalBroker:
         from grpo_core.kafka_io import Admin
 
         ms = int(timeout_s * 1000)
-        admin = Admin(bootstrap_servers=self.bootstrap, request_timeout_ms=ms, client_id="grpo-stream-broker-ping")
+        login = self.security.client_settings() if self.security else {}
+        admin = Admin(bootstrap_servers=self.bootstrap, request_timeout_ms=ms, client_id="grpo-stream-broker-ping",
+                      **login)
         try:
             admin.describe_cluster()
             admin.list_topics()

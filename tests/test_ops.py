@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from grpo_core.config import MetricsConfig, build, load_config
+from grpo_core.config import MetricsConfig, build, load_config, to_dict
 from grpo_core.contract import PipelineContract
 from grpo_core.metrics import MetricsServer
 from grpo_core.topics import broker_configs
@@ -39,7 +39,7 @@ from grpo_stream.broker import free_port
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ROOT / "ops"
 K8S = OPS / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/production"]
+KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/production", "overlays/secured"]
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest supported upstream release we target, and the newest schemas shipped
 ROLES = ("feeder", "producer", "verifier", "learner")
 CLI_ROLE = {"feed": "feeder", "producer": "producer", "verifier": "verifier", "learner": "learner"}
@@ -189,16 +189,28 @@ def check_strimzi(doc: dict[str, Any]) -> None:
         assert "zookeeper" not in spec, "KRaft: no ZooKeeper"
         for listener in kafka["listeners"]:
             assert {"name", "port", "type", "tls"} <= set(listener)
+            assert set(listener) <= {"name", "port", "type", "tls", "authentication", "configuration"}, listener
+            if "authentication" in listener:
+                assert listener["authentication"]["type"] in {"scram-sha-512", "tls", "oauth", "custom"}
             assert listener["type"] in {"internal", "route", "loadbalancer", "nodeport", "ingress", "cluster-ip"}
             assert re.fullmatch(r"[a-z0-9]{1,11}", listener["name"]) and listener["port"] >= 9092
         assert "topicOperator" in spec["entityOperator"], "the KafkaTopics need the topic operator"
+    elif kind == "KafkaUser":
+        assert meta["labels"]["strimzi.io/cluster"]
+        assert spec["authentication"]["type"] in {"scram-sha-512", "tls", "tls-external"}, spec
     else:
         raise AssertionError(f"unexpected Strimzi kind {kind}")
 
 
 def check_keda(doc: dict[str, Any], docs: list[dict[str, Any]]) -> None:
-    assert doc["apiVersion"] == "keda.sh/v1alpha1" and doc["kind"] == "ScaledObject"
+    assert doc["apiVersion"] == "keda.sh/v1alpha1" and doc["kind"] in {"ScaledObject", "TriggerAuthentication"}
     spec = doc["spec"]
+    if doc["kind"] == "TriggerAuthentication":
+        assert all({"parameter", "name", "key"} == set(ref) for ref in spec["secretTargetRef"]), spec
+        return
+    for trig in spec["triggers"]:
+        if "authenticationRef" in trig:
+            assert trig["authenticationRef"]["name"] in by_kind(docs, "TriggerAuthentication"), trig
     target = spec["scaleTargetRef"]["name"]
     assert target in by_kind(docs, "Deployment"), f"ScaledObject targets unknown Deployment {target}"
     for trig in spec["triggers"]:
@@ -296,8 +308,15 @@ def test_configmaps_hold_the_cli_configs(path: str, built: dict[str, list[dict[s
         assert any(v.get("configMap", {}).get("name") == cm["metadata"]["name"] for v in pod["volumes"])
 
 
+def pod_env(monkeypatch: pytest.MonkeyPatch, container: dict[str, Any]) -> None:
+    """The container's environment in this process (a Secret's value: a stand-in), as its config sees it."""
+    for e in container.get("env", []):
+        monkeypatch.setenv(e["name"], e.get("value", f"<{e['name']} from a secret>"))
+
+
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)
-def test_live_knobs_are_a_directory_mount(path: str, built: dict[str, list[dict[str, Any]]]) -> None:
+def test_live_knobs_are_a_directory_mount(path: str, built: dict[str, list[dict[str, Any]]],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from grpo_producers.config import ProducerConfig
 
     docs = built[path]
@@ -305,6 +324,7 @@ def test_live_knobs_are_a_directory_mount(path: str, built: dict[str, list[dict[
     assert set(yaml.safe_load(knobs["data"]["knobs.yaml"])) <= {"max_backlog_groups", "max_version_lag"}
     pod = pod_specs(docs)["producer"]
     (c,) = pod["containers"]
+    pod_env(monkeypatch, c)
     cfg = load_config(ProducerConfig, ROOT / "configs/producer.yaml", c["args"][3:],
                       pipeline_file=ROOT / "configs/pipeline.yaml")
     vol = next(v["name"] for v in pod["volumes"] if v.get("configMap", {}).get("name") == "grpo-stream-knobs")
@@ -368,6 +388,40 @@ def test_keda_scales_verifiers_within_the_partitions(built: dict[str, list[dict[
     assert trig["metadata"]["consumerGroup"] == plan.group("verifiers")
     assert so["spec"]["maxReplicaCount"] <= plan.topics.completions.partitions
     assert all(t["spec"]["replicas"] == 3 for t in built["overlays/production"] if t["kind"] == "KafkaTopic")
+
+
+def test_the_secured_overlay_logs_every_role_in_with_the_kafka_users_secret(
+        built: dict[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every role (and KEDA) reaches the TLS+SCRAM listener with the KafkaUser's login: the password only from
+    the Secret the User Operator writes, through the environment, never in the resolved config."""
+    docs = built["overlays/secured"]
+    (kafka,) = by_kind(docs, "Kafka").values()
+    (listener,) = kafka["spec"]["kafka"]["listeners"]
+    assert listener["tls"] is True and listener["authentication"]["type"] == "scram-sha-512"
+    assert "userOperator" in kafka["spec"]["entityOperator"], "the KafkaUser needs the user operator"
+    (user,) = by_kind(docs, "KafkaUser")
+    for role, pod in pod_specs(docs).items():
+        (c,) = pod["containers"]
+        pod_env(monkeypatch, c)
+        monkeypatch.setenv("GRPO_KAFKA_PASSWORD", "from-the-secret")
+        env = {e["name"]: e for e in c["env"]}
+        assert env["KAFKA_BOOTSTRAP"]["value"].endswith(f":{listener['port']}"), role
+        assert env["GRPO_KAFKA_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": user, "key": "password"}, role
+        (ca,) = [v for v in pod["volumes"] if v["name"] == "kafka-ca"]
+        assert ca["secret"]["secretName"] == "grpo-kafka-cluster-ca-cert"
+        args = c["args"]
+        cfg_file = ROOT / "configs" / Path(args[1].split("=", 1)[1]).name
+        cfg = load_config(role_config(role), cfg_file, args[3:], pipeline_file=ROOT / "configs/pipeline.yaml")
+        k = cfg.kafka
+        assert (k.security_protocol, k.sasl_mechanism, k.sasl_username) == ("SASL_SSL", "SCRAM-SHA-512", user)
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert Path(k.ssl_cafile).parent == Path(mounts["kafka-ca"]) and k.sasl_password() == "from-the-secret"
+        assert "from-the-secret" not in yaml.safe_dump(to_dict(cfg)), f"{role}: the secret in a resolved config"
+    (so,) = by_kind(docs, "ScaledObject").values()
+    (trig,) = so["spec"]["triggers"]
+    assert trig["metadata"]["bootstrapServers"].endswith(f":{listener['port']}")
+    assert (trig["metadata"]["sasl"], trig["metadata"]["username"], trig["metadata"]["tls"]) == (
+        "scram_sha512", user, "enable")
 
 
 # ------------------------------------------------------------------------------------------ docker

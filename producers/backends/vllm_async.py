@@ -44,7 +44,7 @@ from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, Sa
 from grpo_producers.backends.vllm import engine_kwargs, require_weights, sampling_params
 
 T = TypeVar("T")
-_UNLABELLED = "default"  # vLLM's weight-version label before any set_weight_version
+_UNLABELLED = "default"  # vLLM's weight-version label until update_weight_version sets one
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 

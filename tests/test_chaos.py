@@ -69,7 +69,7 @@ def inspect_the_run(run_dir: Path) -> None:
 
     step = next(line["step"] for line in lineage if any(e["reason"].startswith("duplicate") for e in line["dropped"]))
     view = inspect_run.step_view(log, step)
-    [dup] = [g for g in view["dropped"] if g["reason"].startswith("duplicate")]
+    dup = next(g for g in view["dropped"] if g["reason"].startswith("duplicate"))  # re-deliveries: maybe more
     assert dup["group_id"] and len(dup["completions"]) == G  # a dropped group is shown whole, with its reason
     for g in view["trained"]:
         assert {"group_id", "version", "staleness", "partition", "offset", "coordinates", "prompt_id", "prompt",
@@ -106,7 +106,11 @@ def replay_the_run(run_dir: Path, tmp_path: Path) -> None:
 
     exact = replay.replay(run_dir, tmp_path / "exact", [], ablation=False)
     steps = [line for line in read_lines(run_dir / "lineage.jsonl") if "operator_skip" not in line]
-    assert exact["steps"] == len(steps) and len(exact["loss_diffs"]) == len(steps)
+    recorded = {m["step"] for m in read_lines(run_dir / "metrics.jsonl")}
+    assert exact["steps"] == len(steps)
+    # Every step with a recorded loss is compared (a kill -9 between a step's checkpoint and its metrics line
+    # leaves a trained step without one: metrics.jsonl is not part of the checkpoint).
+    assert len(exact["loss_diffs"]) == len({line["step"] for line in steps} & recorded) >= len(steps) - 4
     print(f"exact replay: max |loss - recorded| {exact['max_abs_loss_diff']:.3g} over {exact['steps']} steps")
     assert exact["max_abs_loss_diff"] <= REPLAY_LOSS_TOL
     assert (tmp_path / "exact" / "report.png").exists() and (tmp_path / "exact" / "metrics.jsonl").exists()

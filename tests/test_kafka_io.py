@@ -116,16 +116,21 @@ def records_by_group(records: list) -> dict[str, list[int]]:
     return out
 
 
+def _create_topic(bootstrap: str, name: str) -> None:
+    """One partition on a test's own broker."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics({name: {"num_partitions": 1, "replication_factor": 1}})
+    admin.wait_for_topics([name])
+    admin.close()
+
+
 def test_broker_restart_keeps_data_and_committed_offsets(tmp_path: Path) -> None:
     port, ctl = free_port(), free_port()
     broker = LocalBroker(data_dir=tmp_path / "kafka", port=port, controller_port=ctl)
     broker.up(fresh=True)
     try:
         cfg = KafkaConfig(bootstrap=broker.bootstrap)
-        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-        admin.create_topics({"survive": {"num_partitions": 1, "replication_factor": 1}})
-        admin.wait_for_topics(["survive"])
-        admin.close()
+        _create_topic(broker.bootstrap, "survive")
         producer = make_producer(cfg, "test")
         for i in range(100):
             producer.send("survive", value=wire.encode(_small_completion(i, 0)))
@@ -362,10 +367,7 @@ def test_closing_a_producer_returns_through_a_broker_that_is_down(tmp_path: Path
     broker.up(fresh=True)
     try:
         cfg = KafkaConfig(bootstrap=broker.bootstrap)
-        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
-        admin.create_topics({"closing": {"num_partitions": 1, "replication_factor": 1}})
-        admin.wait_for_topics(["closing"])
-        admin.close()
+        _create_topic(broker.bootstrap, "closing")
         delivered = make_producer(cfg, "test", linger_ms=200)
         delivered.send("closing", value=b"sent, then closed")  # not waited for: close() must flush it
         delivered.close()

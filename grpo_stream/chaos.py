@@ -100,10 +100,11 @@ class Chaos:
         self.contract = cfg.contract
         self.sup = Supervisor(cfg, sink=lambda name, line: None)  # each child's log is in <out>/logs/
         self.result = ChaosResult(Audit())
+        self.started = time.monotonic()
         self.paths: dict[str, Path] = {}
 
     def run(self) -> ChaosResult:
-        started = time.monotonic()
+        self.started = started = time.monotonic()
         self.broker.up(fresh=True)
         try:
             self._start()
@@ -115,6 +116,8 @@ class Chaos:
                 self._do(event)
                 mark = self._step()
             self.result.drained = self._wait(self._drained, deadline, settle=3)
+            self.result.events.append(f"{time.monotonic() - started:5.0f} s, step {self._step()}: "
+                                      + ("drained" if self.result.drained else "not drained at the deadline"))
             self.result.states = self._states()
             self.sup.stop_all()  # the learner checkpoints what it trained: the audit reads that checkpoint
             self.result.audit = audit_run(self.kafka, self.contract, self.cfg.out)
@@ -153,7 +156,7 @@ class Chaos:
 
     def _do(self, event: str) -> None:
         log.info("chaos at learner step %d: %s", self._step(), event)
-        self.result.events.append(f"step {self._step()}: {event}")
+        self.result.events.append(f"{time.monotonic() - self.started:5.0f} s, step {self._step()}: {event}")
         if event == "inject":
             self._inject()
         elif event.startswith("scale"):

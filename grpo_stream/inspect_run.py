@@ -174,7 +174,8 @@ def summary(log: RunLog) -> dict[str, Any]:
                      "dropped": dict(collections.Counter(e["reason"].split(":", 1)[0]
                                                          for line in chunk for e in line["dropped"]))})
     dead = collections.Counter(f"{d.source_topic}: {d.reason.split(':', 1)[0]}" for d in log.dead)
-    return {"steps": len(lines), "ranges": rows, "dead_letters": dict(sorted(dead.items()))}
+    steps = sum(1 for line in lines if line["trained"])  # no operator_skip, no no_update lines
+    return {"steps": steps, "ranges": rows, "dead_letters": dict(sorted(dead.items()))}
 
 
 # ------------------------------------------------------------------------------------------ text

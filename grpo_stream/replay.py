@@ -55,8 +55,8 @@ class Batch:
 
 
 def training_lines(log: RunLog) -> list[dict[str, Any]]:
-    """The run's steps in order (operator_skip lines trained nothing)."""
-    return sorted((line for line in log.lineage if "operator_skip" not in line), key=lambda line: line["step"])
+    """The run's steps in order (operator_skip and no_update lines trained nothing)."""
+    return sorted((line for line in log.lineage if line["trained"]), key=lambda line: line["step"])
 
 
 def _group(log: RunLog, entry: dict[str, Any]) -> wire.ScoredGroup:

@@ -7,6 +7,10 @@ Lines are flushed at every step (a ``kill -9`` cannot lose flushed lines: they a
 fsynced at checkpoints. After a restart from the checkpoint of step ``s``, lines of steps > ``s`` describe
 updates that died with the process; :meth:`Lineage.truncate_after` removes them so the file describes exactly
 the updates the model carries.
+
+A ``no_update`` line (empty trained list) accounts for groups dropped with nothing trainable left to take them
+with -- the tail of a finite feed -- at the current step, without an update; its checkpoint follows at once. It
+survives a restart only if that checkpoint's position is past its offsets.
 """
 
 from __future__ import annotations
@@ -41,12 +45,19 @@ class Lineage:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def truncate_after(self, step: int) -> int:
-        """Drop lines of steps > ``step`` (atomically); returns how many were dropped."""
+    def truncate_after(self, step: int, position: dict[int, int]) -> int:
+        """Drop lines of steps > ``step`` and ``no_update`` lines with an offset at or past ``position``
+        (partition -> the checkpoint's next offset), atomically; returns how many were dropped."""
+        def carried(line: dict[str, Any]) -> bool:
+            if line["step"] > step:
+                return False
+            return not line.get("no_update") or all(e["offset"] < position.get(e["partition"], 0)
+                                                     for e in line["dropped"])
+
         self._file.close()
         kept, dropped = [], 0
         for line in read_lines(self.path):
-            if line["step"] <= step:
+            if carried(line):
                 kept.append(line)
             else:
                 dropped += 1

@@ -57,8 +57,7 @@ class LearnerMetrics:
         for s in spans or ():
             self.span.observe(s)
         self.trained.inc(len(staleness))
-        for reason in dropped:
-            self.dropped.labels(reason=reason.split(":", 1)[0]).inc()
+        self.observe_drops(dropped)
         self.tokens.inc(tokens)
         total = sum(timings.values())
         if total > 0:
@@ -70,6 +69,11 @@ class LearnerMetrics:
         self._write_jsonl({"step": step, "time": time.time(), **metrics, "timings": timings, "staleness": staleness,
                            "version_span": spans or [], "dropped": dropped, "tokens": tokens,
                            "skipped_updates": skipped, "lag": lag})
+
+    def observe_drops(self, dropped: list[str]) -> None:
+        """Groups dropped, by reason (at a step, or on a ``no_update`` line: nothing trainable was left)."""
+        for reason in dropped:
+            self.dropped.labels(reason=reason.split(":", 1)[0]).inc()
 
     def observe_publish(self, version: int, size_bytes: int) -> None:
         self.version.set(version)

@@ -94,7 +94,7 @@ class Learner:
             offsets = {int(p): int(o) for p, o in self.ckpt.meta["offsets"].items()}
             log.info("resumed from %s (step %d, offsets %s)", self.ckpt.path, self.step, offsets)
         # Lineage lines past the checkpoint describe updates that died with the previous process.
-        dropped = self.lineage.truncate_after(self.step)
+        dropped = self.lineage.truncate_after(self.step, offsets or {})
         if dropped:
             log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
         self.source.start(offsets, self.cfg.start_from)
@@ -129,6 +129,9 @@ class Learner:
             if pick is None:
                 break
             self.last_group_at = time.monotonic()
+            if not pick.trained:
+                self._account_drops(pick)
+                continue
             stats = self.trainer.train_step([i.group for i in pick.trained])
             stats.timings["wait"] = pick.wait_s
             self._after_step(pick, stats)
@@ -160,6 +163,20 @@ class Learner:
         log.info("step %d: reward %.3f loss %.4f kl %.4f groups %d dropped %d wait %.2fs", self.step,
                  stats.metrics.get("reward_mean", 0.0), stats.metrics.get("loss", 0.0),
                  stats.metrics.get("kl", 0.0), len(pick.trained), len(pick.dropped), pick.wait_s)
+
+    def _account_drops(self, pick: Pick) -> None:
+        """Groups that can never be trained, with nothing trainable behind them (the tail of a finite feed):
+        accounted for without a step, on a ``no_update`` line at the current step, and checkpointed at once so
+        the lineage and the checkpoint cover the whole topic. A crash between the two: restore removes the line
+        (its offsets lie past the checkpoint's position) and the groups are read and dropped again, once."""
+        _, dropped = lineage_entries(pick, self.step)
+        self.lineage.record(self.step, [], dropped, no_update=True)
+        self.source.commit()
+        self.save_checkpoint()
+        self.liveness.progressed()
+        self.metrics.observe_drops([i.reason for i in pick.dropped])
+        log.info("step %d: %d group(s) dropped with nothing to train (%s)", self.step, len(pick.dropped),
+                 ", ".join(sorted({i.reason.split(":", 1)[0] for i in pick.dropped})))
 
     def stop(self) -> None:
         self.stopping = True

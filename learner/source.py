@@ -127,13 +127,15 @@ class GroupSource:
     def next_batch(self, step: int, size: int, should_stop: Callable[[], bool], poll_ms: int,
                    flush_after_s: float = 0.0) -> Pick | None:
         """Block until ``size`` admissible groups are queued, then take them (and the drops before them). With
-        ``flush_after_s`` > 0, fewer do once no record arrived for that long (the tail of a finite feed).
+        ``flush_after_s`` > 0, fewer do once no record arrived for that long (the tail of a finite feed), and
+        a queue with nothing trainable in it is taken as drops alone (``trained`` empty: no step): a tail of
+        only stale groups was never accounted for before, so the run never drained.
 
         Returns None when ``should_stop()`` turns true first (nothing is taken then)."""
         t0 = time.monotonic()
         while (ready := self._admissible(step)) < size:
-            if flush_after_s > 0 and ready and time.monotonic() - self.last_arrival >= flush_after_s:
-                size = ready
+            if flush_after_s > 0 and self.queue and time.monotonic() - self.last_arrival >= flush_after_s:
+                size = ready  # 0: every queued group is a drop (stale, duplicate, ...) and stays one
                 break
             if should_stop():
                 return None
@@ -225,7 +227,7 @@ class GroupSource:
 
     def _take(self, step: int, size: int) -> Pick:
         pick = Pick()
-        while len(pick.trained) < size:
+        while len(pick.trained) < size or (size == 0 and self.queue):
             item = self.queue.popleft()
             item.reason = self._drop_reason(item, step)
             if item.reason:

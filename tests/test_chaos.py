@@ -26,7 +26,7 @@ def test_the_schedule_is_seeded_and_complete() -> None:
 
 def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
     cfg = chaos_config(tmp_path / "run", build_tiny_model(tmp_path / "model"), 256, [])
-    result = Chaos(cfg, seed=0, minutes=8).run()
+    result = Chaos(cfg, seed=0, minutes=12).run()  # a passing run ends once drained (~1.5 min here)
     print("\n".join(result.events))
     print(result.table())
     assert result.broken() == [], result.table()
@@ -60,8 +60,8 @@ def inspect_the_run(run_dir: Path) -> None:
     log = inspect_run.RunLog.read(run_dir)
     G = log.learner.pipeline.group_size
     s = inspect_run.summary(log)
-    assert s["steps"] == len(lineage) and sum(r["trained"] for r in s["ranges"]) == sum(
-        len(line["trained"]) for line in lineage)
+    assert s["steps"] == sum(1 for line in lineage if line["trained"])  # no operator_skip, no no_update lines
+    assert sum(r["trained"] for r in s["ranges"]) == sum(len(line["trained"]) for line in lineage)
     assert any("duplicate" in r["dropped"] for r in s["ranges"])
     for topic in ("prompts", "completions", "groups"):
         name = log.learner.pipeline.topic(topic)
@@ -105,7 +105,7 @@ def replay_the_run(run_dir: Path, tmp_path: Path) -> None:
     from grpo_stream import inspect_run, replay
 
     exact = replay.replay(run_dir, tmp_path / "exact", [], ablation=False)
-    steps = [line for line in read_lines(run_dir / "lineage.jsonl") if "operator_skip" not in line]
+    steps = [line for line in read_lines(run_dir / "lineage.jsonl") if line["trained"]]  # no skips, no no_update
     recorded = {m["step"] for m in read_lines(run_dir / "metrics.jsonl")}
     assert exact["steps"] == len(steps)
     # Every step with a recorded loss is compared (a kill -9 between a step's checkpoint and its metrics line

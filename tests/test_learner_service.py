@@ -227,3 +227,56 @@ def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kaf
     trained = sorted(e["offset"] for line in lines for e in line["trained"])
     assert trained == [0, 1, 4, 5]
     assert checkpoint.load_latest(out / "checkpoints").meta["offsets"] == {"0": 6}
+
+
+def test_a_tail_of_only_stale_groups_is_accounted_for_without_a_step(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                                     admin: KafkaAdminClient,
+                                                                     unique: Callable) -> None:
+    """The chaos run on a slower machine never drained: the feed's last groups were all stale, so no batch ever
+    took them and neither the lineage nor the checkpoint accounted for them. With ``flush_after_s`` they are
+    dropped on a ``no_update`` line (no update, the step stays) and checkpointed; a restart keeps that line only
+    when its checkpoint is past its offsets."""
+    import json
+
+    from grpo_core.config import load_config
+    from grpo_learner.config import LearnerConfig
+    from grpo_learner.service import Learner
+
+    plan = PipelineContract(run=unique("tail"), group_size=G, max_staleness=0)
+    plan.topics.groups.partitions = 1
+    ensure_topics(admin, plan)
+    rng = np.random.default_rng(4)
+    producer = make_producer(kafka_cfg, "test")
+    for i in range(5):  # v0: s0, s1 train step 0; s2-s4 are stale at step 1 and nothing follows them
+        g = synthetic_group(f"t{i}@e0r0", version=0, rng=rng)
+        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
+    producer.close()
+    out, model = tmp_path / "run", build_tiny_model(tmp_path / "model")
+    cfg = load_config(LearnerConfig, None, [
+        f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={model}", "metrics.port=-1",
+        f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=100",
+        f"pipeline.run={plan.run}", f"pipeline.group_size={G}", "pipeline.max_staleness=0",
+        "pipeline.topics.groups.partitions=1", "flush_after_s=1", "idle_timeout_s=4"])
+    learner = Learner(cfg)
+    try:
+        learner.restore()
+        assert learner.run() == 1  # one update; the drops took no step
+        assert learner.metrics.dropped.labels(reason="stale")._value.get() == 3
+    finally:
+        learner.close()
+    lines = list(read_lines(out / "lineage.jsonl"))
+    assert [(line["step"], len(line["trained"]), line.get("no_update", False)) for line in lines] == [
+        (1, 2, False), (1, 0, True)]
+    assert [(e["offset"], e["reason"]) for e in lines[1]["dropped"]] == [(2, "stale"), (3, "stale"), (4, "stale")]
+    assert checkpoint.load_latest(out / "checkpoints").meta["offsets"] == {"0": 5}
+
+    # A crash after such a line and before its checkpoint: the line goes at restart, its groups are read again.
+    with (out / "lineage.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 1, "trained": [], "no_update": True,
+                            "dropped": [{"partition": 0, "offset": 5, "reason": "stale"}]}) + "\n")
+    learner = Learner(cfg)
+    try:
+        learner.restore()
+    finally:
+        learner.close()
+    assert list(read_lines(out / "lineage.jsonl")) == lines

@@ -129,3 +129,13 @@ def test_a_spanning_group_is_as_stale_as_its_oldest_version(source: Callable) ->
     trained, _ = lineage_entries(pick, 4)
     assert (trained[0]["version"], trained[0]["newest_version"], trained[0]["staleness"]) == (2, 3, 2)
     assert "newest_version" not in trained[1]
+
+
+def test_a_tail_with_nothing_trainable_is_taken_as_drops(source: Callable) -> None:
+    """Only stale groups left and nothing arriving: after ``flush_after_s`` they are taken with no group to
+    train (the learner accounts for them without a step), instead of waiting for a batch that never comes."""
+    rng = np.random.default_rng(5)
+    src = source([synthetic_group(f"z{i}@e0r0", 0, rng) for i in range(3)], 2)
+    pick = src.next_batch(5, 4, _stop_after(200), 100, flush_after_s=1.0)
+    assert pick is not None and pick.trained == [] and pick.next_offsets == {0: 3}
+    assert [(i.group.group_id, i.reason) for i in pick.dropped] == [(f"z{i}@e0r0", "stale") for i in range(3)]

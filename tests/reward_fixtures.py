@@ -97,3 +97,31 @@ def fails_on_word(completion: str, prompt: str, metadata: dict[str, Any], *, wor
     if word in completion:
         raise RuntimeError(f"cannot parse {word}")
     return float(completion == str(metadata.get("answer")))
+
+
+# ---- written the TRL way (GRPOTrainer's reward_funcs), used through "trl:reward_fixtures:NAME" --------------
+
+def trl_accuracy(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
+    """As for ``GRPOTrainer(reward_funcs=[trl_accuracy])``: one value per completion from the ``answer`` column,
+    None where the ``kind`` column says the function does not apply; chat completions are message lists."""
+    kinds = kwargs.get("kind", [None] * len(completions))
+    out: list[float | None] = []
+    for prompt, completion, truth, kind in zip(prompts, completions, answer, kinds, strict=True):
+        if kind == "skip":
+            out.append(None)
+            continue
+        if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}]
+            assert prompt[0]["role"] == "user" and completion[0]["role"] == "assistant"
+            completion = completion[0]["content"]
+        out.append(1.0 if completion.strip() == str(truth) else 0.0)
+    return out
+
+
+def trl_too_many(prompts: list, completions: list, **kwargs: Any) -> list[float]:
+    """Returns two values for one completion: the adapter says so instead of guessing."""
+    return [1.0, 1.0]
+
+
+def not_trl(completion: str, prompt: str, metadata: dict[str, Any]) -> float:
+    """The per-completion convention: named with trl: by mistake, it fails at config load."""
+    return 1.0

@@ -357,3 +357,33 @@ def test_unknown_task_without_default_and_memory_floor() -> None:
         assert (r.reward, r.error) == (1.0, None)
     with pytest.raises(ConfigError, match="memory_mb=64 leaves no room"):
         RewardPool(RewardConfig(workers=1, memory_mb=64))
+
+
+def test_trl_style_reward_functions_score_as_trl_would() -> None:
+    """``trl:module:function`` calls a function written for TRL's GRPOTrainer with lists (prompts, completions,
+    the metadata as columns); None scores 0 without an error; ``conversational`` passes chat messages."""
+    trl = f"trl:{FX}:trl_accuracy"
+    cfg = RewardConfig(by_task={"plain": [RewardTerm(trl)],
+                                "chat": [RewardTerm(trl, params={"conversational": True})],
+                                "bad": [RewardTerm(f"trl:{FX}:trl_too_many")]}, workers=1)
+    cfg.validate()
+    requests = [RewardRequest("7", "p", "plain", {"answer": "7"}), RewardRequest(" 8\n", "p", "plain", {"answer": "7"}),
+                RewardRequest("7", "p", "plain", {"answer": "7", "kind": "skip"}),
+                RewardRequest("7", "p", "chat", {"answer": 7}), RewardRequest("7", "p", "bad", {"answer": "7"})]
+    with RewardPool(cfg) as p:
+        right, wrong, skipped, chat, bad = p.score_batch(requests)
+    assert (right.reward, right.error, wrong.reward, wrong.error) == (1.0, None, 0.0, None)
+    assert (skipped.reward, skipped.error, skipped.failed) == (0.0, None, False)
+    assert skipped.info["details"][trl] == {"trl": "none"}
+    assert (chat.reward, chat.error) == (1.0, None)
+    assert bad.failed and "one value per completion" in (bad.error or "")
+
+
+@pytest.mark.parametrize(("term", "message"), [
+    (RewardTerm(f"trl:{FX}:not_trl"), "prompts"),
+    (RewardTerm(f"trl:{FX}:trl_accuracy", params={"answer": 1, "prompts": 2}), "multiple values"),
+    (RewardTerm(f"trl:{FX}:missing"), "AttributeError"),
+])
+def test_a_trl_style_term_that_cannot_be_called_fails_at_config_load(term: RewardTerm, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RewardConfig(by_task={"t": [term]}).validate()

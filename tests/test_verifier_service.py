@@ -267,3 +267,25 @@ def test_failed_rewards_are_marked_not_scored(kafka_cfg: KafkaConfig, plan: Pipe
     assert g.reward_info["errors"] == ["exception: RuntimeError: cannot parse FAIL"]
     assert v.metrics.reward_failed._value.get() == 1
     assert v.pool.stats()["retried"] == 1
+
+
+def test_a_trl_style_reward_function_scores_a_group(kafka_cfg: KafkaConfig, plan: PipelineContract,
+                                                    running: Callable) -> None:
+    """A reward function written for TRL's GRPOTrainer (``trl:reward_fixtures:trl_accuracy``) scores a group
+    through the verifier, in the sandboxed pool; its None (member 2: the function does not apply) is a 0, not a
+    failure."""
+    answers, kinds = ["1", "2", "3", "4"], [None, None, "skip", None]
+    members = []
+    for i in range(G):
+        c = completion("t1@e0r0", i, answers[i], i != 1)
+        members.append(dataclasses.replace(c, task="trl", metadata={**c.metadata, "kind": kinds[i]}))
+    producer = make_producer(kafka_cfg, "test")
+    for c in members:
+        producer.send(plan.topic("completions"), key=c.group_id.encode(), value=wire.encode(c))
+    producer.flush()
+    producer.close()
+    rewards = {"by_task": {"trl": [{"name": "trl:reward_fixtures:trl_accuracy"}]}, "workers": 1}
+    running(_verifier_cfg(kafka_cfg, plan, rewards=rewards))
+    [g] = read_groups(kafka_cfg, plan.topic("groups"), 1)
+    assert (g.rewards, g.failed) == ([1.0, 0.0, 0.0, 1.0], [])
+    assert "errors" not in g.reward_info

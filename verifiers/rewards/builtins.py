@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from grpo_verifiers.rewards import math_reward
+from grpo_verifiers.rewards import math_reward, trl_style
 
 RewardFn = Callable[..., Any]
 
@@ -239,9 +239,12 @@ BUILTINS: dict[str, Builtin] = {
 
 
 def resolve(name: str) -> RewardFn:
-    """A built-in by name, or ``"package.module:function"`` imported (ImportError/AttributeError/ValueError)."""
+    """A built-in by name, ``"package.module:function"`` imported (ImportError/AttributeError/ValueError), or
+    ``"trl:package.module:function"``: a TRL-convention reward function, adapted (``rewards.trl_style``)."""
     if name in BUILTINS:
         return BUILTINS[name].fn
+    if name.startswith(trl_style.PREFIX):
+        return trl_style.as_reward(resolve(name[len(trl_style.PREFIX):]))
     module, sep, attr = name.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"{name!r} is neither a built-in ({sorted(BUILTINS)}) nor 'package.module:function'")

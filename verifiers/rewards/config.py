@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_core.config import ConfigError, opt, require
+from grpo_verifiers.rewards import trl_style
 from grpo_verifiers.rewards.builtins import BUILTINS, resolve
 from grpo_verifiers.rewards.failures import ZEROABLE
 
@@ -32,8 +33,9 @@ DEFAULT_TASK = "default"
 class RewardTerm:
     """One weighted reward of a task's combination (weights are normalised to sum to 1)."""
 
-    name: str = opt(help="A built-in (exact, positions, regex, format, math) or a dotted path "
-                         "'package.module:function'.")
+    name: str = opt(help="A built-in (exact, positions, regex, format, math), a dotted path "
+                         "'package.module:function', or 'trl:package.module:function' for a reward function "
+                         "written for TRL's GRPOTrainer (grpo_verifiers.rewards.trl_style).")
     weight: float = opt(1.0, "Relative weight; a task's weights are divided by their sum.")
     params: dict[str, Any] = opt(factory=dict, help="Keyword arguments passed to the reward function.")
     zero_on: list[str] = opt(
@@ -113,6 +115,8 @@ def check_term(term: RewardTerm, where: str) -> None:
     try:
         if term.name in BUILTINS:
             BUILTINS[term.name].check(**term.params)
+        elif hasattr(fn, "trl_function"):
+            trl_style.check(fn.trl_function, term.params)
         else:
             signature.bind("", "", {}, **term.params)
     except (TypeError, ValueError) as exc:

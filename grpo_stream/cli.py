@@ -140,7 +140,16 @@ def _chaos(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from grpo_stream.demo import main
 
-    return main(backend=args.backend, minutes=args.minutes, seed=args.seed, out=args.out)
+    return main(backend=args.backend, minutes=args.minutes, seed=args.seed, out=args.out, until=args.until)
+
+
+def _reward_or_off(text: str) -> float | None:
+    if text.lower() in ("off", "none"):
+        return None
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--until {text}: a held-out reward in (0, 1], or 'off'")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -240,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="a tiny model learning through the whole pipeline on this CPU (no arguments)")
     d.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="producers' generation backend")
     d.add_argument("--minutes", type=float, default=8.0,
-                   help="time budget (at most 15), warm start and evals included; it has converged in ~3 here")
+                   help="time budget (at most 15), warm start and evals included: the upper bound")
+    from grpo_stream.demo import DEFAULT_UNTIL, HOLD  # light: the demo's heavy imports are inside functions
+
+    d.add_argument("--until", type=_reward_or_off, default=DEFAULT_UNTIL, metavar="REWARD",
+                   help=f"end once the held-out reward is >= REWARD for {HOLD} evaluations in a row (default "
+                        f"{DEFAULT_UNTIL}; 'off': run the whole budget)")
     d.add_argument("--seed", type=int, default=0, help="model, data and sampling seed")
     d.add_argument("--out", default=None, help="run directory (default runs/demo-seed<SEED>)")
     d.set_defaults(fn=_demo)

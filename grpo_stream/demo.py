@@ -6,9 +6,10 @@
    (~0.4 on the demo's 2-3 digit numbers).
 3. Evaluate it on held-out prompts (greedy decoding).
 4. Run the full pipeline (``configs/demo.yaml``): a local Kafka broker, the feeder, 2 producers, 1 verifier and
-   the learner (off-policy GRPO, v > 1) as separate processes, for the time budget; evaluate the published
-   weights along the way.
-5. Evaluate the final checkpoint with the same decoding; write summary.json and report.png.
+   the learner (off-policy GRPO, v > 1) as separate processes; evaluate the published weights every
+   ``EVAL_EVERY_S``. The run ends once ``until`` is reached (held-out reward at or above it for ``HOLD``
+   evaluations in a row: the point is shown) or at the time budget, whichever comes first.
+5. Evaluate the final checkpoint with the same decoding; write summary.json and report.png; print a short table.
 """
 
 from __future__ import annotations
@@ -23,19 +24,29 @@ from grpo_core.config import load_config
 from grpo_stream.configs import shipped_config
 
 FINAL_EVAL_RESERVE_MIN = 0.5  # minutes kept back from the budget for shutdown and the final evaluation
+EVAL_EVERY_S = 30.0  # an evaluation (198 prompts, greedy, one token) takes ~1 s of the supervisor's time
+HOLD = 2  # evaluations in a row at or above the target: one lucky evaluation does not end the demo
+DEFAULT_UNTIL = 0.95  # near the plateau (the demo reaches 1.00 held-out)
+
+
+def target_reached(rewards: list[float], until: float | None, hold: int = HOLD) -> bool:
+    """True once the last ``hold`` held-out rewards (published versions, in order) are all >= ``until``."""
+    return until is not None and len(rewards) >= hold and all(r >= until for r in rewards[-hold:])
 
 
 class Evaluator:
     """Evaluates the newest published weights (fs store) every ``every_s`` seconds -> eval.jsonl."""
 
     def __init__(self, out: Path, weights_root: Path, run: str, tokenizer_dir: Path, prompts: list[str],
-                 answers: list[str], max_tokens: int, every_s: float = 60.0) -> None:
+                 answers: list[str], max_tokens: int, every_s: float = EVAL_EVERY_S,
+                 until: float | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.path, self.versions_dir = out / "eval.jsonl", weights_root / run
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.prompts, self.answers, self.every_s, self.max_tokens = prompts, answers, every_s, max_tokens
         self.last, self.done_versions = time.monotonic(), {0}
+        self.until, self.rewards, self.reached_at = until, [], None  # rewards: of published versions, in order
 
     def record(self, step: int, reward: float) -> None:
         with self.path.open("a") as f:
@@ -49,24 +60,31 @@ class Evaluator:
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         return evaluate(model, self.prompts, self.answers, max_tokens=self.max_tokens, tokenizer=self.tokenizer)
 
-    def tick(self) -> None:
+    def tick(self) -> bool:
+        """Evaluate the newest published version when one is due; True (end the run) once the target holds."""
         if time.monotonic() - self.last < self.every_s or not self.versions_dir.exists():
-            return
+            return False
         self.last = time.monotonic()
         versions = sorted(p for p in self.versions_dir.glob("v*") if (p / "model.safetensors").exists())
         if not versions:
-            return
+            return False
         newest = versions[-1]
         version = int(newest.name[1:])
         if version in self.done_versions:
-            return
+            return False
         try:
             reward = self.evaluate_dir(newest)
         except (OSError, ValueError) as exc:  # the store's GC may remove a version under our feet: next time
             print(f"[demo] eval of {newest.name} skipped: {exc}")
-            return
+            return False
         self.done_versions.add(version)
         self.record(version, reward)
+        self.rewards.append(reward)
+        print(f"[demo] held-out reward {reward:.3f} at v{version}", flush=True)
+        if target_reached(self.rewards, self.until):
+            self.reached_at = version
+            return True
+        return False
 
 
 def prepare_model(seed: int, task: str) -> Path:
@@ -83,7 +101,7 @@ def prepare_model(seed: int, task: str) -> Path:
 
 def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
              task: str = "last_digit", config: str | Path | None = None,
-             overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+             overrides: tuple[str, ...] = (), until: float | None = DEFAULT_UNTIL) -> dict[str, Any]:
     from grpo_stream.demo_model import task_items
     from grpo_stream.report import write_report
     from grpo_stream.run import RunConfig, execute
@@ -97,7 +115,7 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
     cfg = load_config(RunConfig, config or shipped_config("demo.yaml"), overrides)
     # The same decoding length for sampling and evaluation: the answer is what the producers would generate.
     max_tokens = cfg.producers.config.get("sampling", {}).get("max_tokens") or cfg.pipeline.max_new_tokens
-    evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens)
+    evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens, until=until)
     initial = evaluator.evaluate_dir(model)
     evaluator.record(0, initial)
     print(f"[demo] {task}: {len(prompts)} held-out prompts; warm-started model scores {initial:.3f}")
@@ -115,6 +133,7 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
     summary |= {"initial_eval_reward": initial, "final_eval_reward": final, "eval_gain": final - initial,
                 "task": task, "backend": backend, "seed": seed, "eval_prompts": len(prompts),
                 "wall_seconds": round(time.monotonic() - started, 1), "warm_start_model": str(model),
+                "until": until, "stopped_by": "target" if evaluator.reached_at is not None else "budget",
                 "exit_code": rc}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     write_report(out_dir)
@@ -128,10 +147,22 @@ def _final_model(out: Path) -> Path | None:
     return ckpt.model_dir if ckpt else None
 
 
-def main(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None) -> int:
-    summary = run_demo(backend, minutes, seed, out)
-    print(json.dumps(summary, indent=2))
-    print(f"[demo] held-out reward {summary['initial_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f} "
-          f"in {summary['learner_steps']} learner steps, {summary['wall_seconds']:.0f}s; "
-          f"report: {summary['run_dir']}/report.png")
+def final_table(summary: dict[str, Any]) -> str:
+    """The demo's result in a few lines (the whole summary is in summary.json)."""
+    why = (f"reached {summary['until']:.2f} held-out for {HOLD} evaluations" if summary["stopped_by"] == "target"
+           else "the time budget")
+    rows = [("held-out reward", f"{summary['initial_eval_reward']:.3f} -> {summary['final_eval_reward']:.3f}"),
+            ("learner steps", summary["learner_steps"]), ("groups trained", summary["groups_trained"]),
+            ("mean staleness", f"{summary['mean_staleness']:.2f} steps"),
+            ("versions published", summary["weight_versions_published"]),
+            ("wall time", f"{summary['wall_seconds']:.0f} s (stopped by {why})"),
+            ("report", f"{summary['run_dir']}/report.png (summary.json, logs/ beside it)")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
+         until: float | None = DEFAULT_UNTIL) -> int:
+    summary = run_demo(backend, minutes, seed, out, until=until)
+    print(final_table(summary))
     return int(summary["exit_code"])

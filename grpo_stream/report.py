@@ -1,7 +1,8 @@
 """``grpo-stream report runs/<name>``: the run's picture (report.png) from its own records.
 
 Panels: reward vs learner step (train: the mean reward of each step's groups; held-out: eval.jsonl points),
-the staleness histogram of trained groups (from the lineage), and learner throughput over wall time.
+the held-out reward over wall time (when it came, not only at which step), the staleness histogram of trained
+groups (from the lineage), and learner throughput over wall time.
 ``grpo-stream report --compare DIR DIR ...`` overlays runs instead (a replay beside its original, ablations):
 train reward and loss vs step, one line per run, into the first directory's ``compare.png``.
 """
@@ -23,7 +24,7 @@ def write_report(run_dir: str | Path) -> Path:
     metrics = list(read_lines(run / "metrics.jsonl"))
     evals = list(read_lines(run / "eval.jsonl"))
     staleness = [e["staleness"] for line in read_lines(run / "lineage.jsonl") for e in line["trained"]]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     ax = axes[0]
     if metrics:
         ax.plot([m["step"] for m in metrics], [m.get("reward_mean", 0.0) for m in metrics], lw=0.8, alpha=0.7,
@@ -33,10 +34,15 @@ def write_report(run_dir: str | Path) -> Path:
     ax.set(title="reward", xlabel="learner step", ylim=(-0.02, 1.02))
     ax.legend(loc="lower right")
     ax = axes[1]
+    if evals and "time" in evals[0]:
+        ax.plot([(e["time"] - evals[0]["time"]) / 60 for e in evals], [e["eval_reward"] for e in evals], "o-",
+                color="C3")
+    ax.set(title="held-out reward over time", xlabel="minutes since the run started", ylim=(-0.02, 1.02))
+    ax = axes[2]
     if staleness:
         ax.hist(staleness, bins=range(0, max(staleness) + 2), align="left", rwidth=0.85)
     ax.set(title="staleness of trained groups", xlabel="learner steps behind", ylabel="groups")
-    ax = axes[2]
+    ax = axes[3]
     if metrics and "time" in metrics[0]:
         t0 = metrics[0]["time"]
         rate = [m.get("tokens", 0) / max(sum(m.get("timings", {}).values()), 1e-9) for m in metrics]

@@ -3,8 +3,9 @@
 The run YAML holds the shared ``kafka`` section, the pipeline contract (``pipeline``: group size, names, ...;
 its ``run`` is the run's ``name``) and one section per role (``feeder``,
 ``producers``, ``verifiers``, ``learner``) in that role's own config format; each role is started exactly as k8s
-would start it: ``grpo-stream <role> --config runs/<name>/configs/<role>.yaml``. The supervisor streams their
-logs with a prefix, restarts a crashed child with backoff, shows learner progress, stops everything on Ctrl-C /
+would start it: ``grpo-stream <role> --config runs/<name>/configs/<role>.yaml``. The supervisor writes their
+logs to ``runs/<name>/logs/`` and echoes only their warnings and errors (with a prefix), restarts a crashed
+child with backoff, shows learner progress (a bar, or a status line without a terminal), stops everything on Ctrl-C /
 SIGTERM / the time budget / the learner's ``max_steps``, and exits non-zero when the learner failed.
 """
 
@@ -31,6 +32,7 @@ from grpo_core.config import ConfigError, KafkaConfig, build, opt, require, to_d
 from grpo_core.contract import PipelineContract
 
 log = logging.getLogger("run")
+STATUS_EVERY_S = 10.0  # without a terminal: one learner status line this often (the full logs are in logs/)
 
 
 @dataclass
@@ -345,7 +347,7 @@ class Progress:
                 "tok/s": f"{last.get('tokens', 0) / step_s:.0f}"}
         self.bar.update(len(new))
         self.bar.set_postfix(info, refresh=True)
-        if not self.tty and time.monotonic() - self.last_log > 10:
+        if not self.tty and time.monotonic() - self.last_log > STATUS_EVERY_S:
             self.last_log = time.monotonic()
             log.info("learner step %d: %s", last["step"], " ".join(f"{k} {v}" for k, v in info.items()))
 
@@ -373,8 +375,10 @@ def execute(cfg: RunConfig, tty: bool | None = None,
         broker = LocalBroker(data_dir=cfg.out / "kafka", port=free_port(), controller_port=free_port())
         bootstrap = broker.up(fresh=True)["bootstrap"]
     progress = Progress(cfg, tty)
-    # On a terminal the bar owns the screen: children's INFO lines go to their log files only.
-    sup = Supervisor(cfg, sink=lambda name, line: _route(progress, tty, name, line))
+    # Children's INFO lines go to their log files only (runs/<name>/logs/): on a terminal the bar owns the screen,
+    # and without one (CI, nohup) thousands of step and batch lines buried the warnings; progress comes as a
+    # status line every STATUS_EVERY_S instead.
+    sup = Supervisor(cfg, sink=lambda name, line: _route(progress, name, line))
     try:
         admin = make_admin(KafkaConfig(**{**to_dict(cfg.kafka), "bootstrap": bootstrap}))
         ensure_topics(admin, cfg.contract)
@@ -404,8 +408,8 @@ def execute(cfg: RunConfig, tty: bool | None = None,
     return summary, 1 if sup.learner_failed else 0
 
 
-def _route(progress: Progress, tty: bool, name: str, line: str) -> None:
-    if not tty or " WARNING " in line or " ERROR " in line or "Traceback" in line:
+def _route(progress: Progress, name: str, line: str) -> None:
+    if " WARNING " in line or " ERROR " in line or "Traceback" in line:
         progress.write(f"[{name}] {line}")
 
 

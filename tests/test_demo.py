@@ -45,4 +45,36 @@ def test_demo_learns_through_the_pipeline(tmp_path: Path) -> None:
     assert summary["wall_seconds"] <= 4 * 60 + 60, "the budget includes warm start and evaluations"
     evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == summary["learner_steps"]
+    if summary["stopped_by"] == "target":  # --until 0.95 (the default): two evaluations in a row at or above it
+        assert [e["eval_reward"] >= 0.95 for e in evals[-3:-1]] == [True, True], evals
     assert (out / "report.png").stat().st_size > 10_000
+    # Without a terminal: the demo's own lines, warnings and a status line now and then; the children's INFO
+    # lines (every batch and step) are only in logs/.
+    printed = proc.stdout.splitlines() + proc.stderr.splitlines()
+    assert not any(" INFO " in line and line.startswith("[") for line in printed), printed[:20]
+    assert len(printed) < 120, len(printed)
+    from grpo_stream.demo import final_table
+
+    assert final_table(summary) in proc.stdout, proc.stdout[-2000:]
+    assert (out / "logs" / "learner.log").stat().st_size > 1000
+
+
+def test_the_demo_stops_once_the_target_holds_for_two_evaluations() -> None:
+    from grpo_stream.demo import target_reached
+
+    assert not target_reached([0.4, 0.97], 0.95)  # one lucky evaluation
+    assert not target_reached([0.96, 0.94], 0.95)
+    assert target_reached([0.4, 0.95, 1.0], 0.95)
+    assert not target_reached([1.0, 1.0, 1.0], None)  # --until off: the budget alone ends it
+
+
+def test_the_final_table_names_why_the_demo_stopped() -> None:
+    from grpo_stream.demo import final_table
+
+    summary = {"initial_eval_reward": 0.39, "final_eval_reward": 1.0, "learner_steps": 212, "groups_trained": 3392,
+               "mean_staleness": 1.94, "weight_versions_published": 54, "wall_seconds": 171.2, "run_dir": "runs/d",
+               "until": 0.95, "stopped_by": "target"}
+    table = final_table(summary)
+    assert "held-out reward     0.390 -> 1.000" in table and "runs/d/report.png" in table
+    assert "stopped by reached 0.95 held-out for 2 evaluations" in table
+    assert "stopped by the time budget" in final_table(summary | {"stopped_by": "budget"})

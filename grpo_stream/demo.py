@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_core.config import load_config
+from grpo_core.config import load_config, to_dict
+from grpo_core.trackers import Trackers
 from grpo_stream.configs import shipped_config
 
 FINAL_EVAL_RESERVE_MIN = 0.5  # minutes kept back from the budget for shutdown and the final evaluation
@@ -47,10 +48,15 @@ class Evaluator:
         self.prompts, self.answers, self.every_s, self.max_tokens = prompts, answers, every_s, max_tokens
         self.last, self.done_versions = time.monotonic(), {0}
         self.until, self.rewards, self.reached_at = until, [], None  # rewards: of published versions, in order
+        self.trackers: Trackers | None = None  # the run's report_to, job "eval"
 
     def record(self, step: int, reward: float) -> None:
+        """The one place an evaluation goes out: eval.jsonl (the source of truth), then the trackers."""
+        line = {"step": step, "eval_reward": reward, "time": time.time()}
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "eval_reward": reward, "time": time.time()}) + "\n")
+            f.write(json.dumps(line) + "\n")
+        if self.trackers is not None:
+            self.trackers.log(line, step)
 
     def evaluate_dir(self, model_dir: Path) -> float:
         from transformers import AutoModelForCausalLM
@@ -117,7 +123,6 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
     max_tokens = cfg.producers.config.get("sampling", {}).get("max_tokens") or cfg.pipeline.max_new_tokens
     evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens, until=until)
     initial = evaluator.evaluate_dir(model)
-    evaluator.record(0, initial)
     print(f"[demo] {task}: {len(prompts)} held-out prompts; warm-started model scores {initial:.3f}")
     budget = minutes - (time.monotonic() - started) / 60 - FINAL_EVAL_RESERVE_MIN
     cfg = load_config(RunConfig, config or shipped_config("demo.yaml"), [
@@ -126,10 +131,17 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
         f"producers.config.backend.model={model}", f"producers.config.backend.kind={backend}",
         f"producers.config.backend.seed={seed}", f"producers.config.weights.fs.root={out_dir / 'weights'}",
         f"feeder.synthetic.tasks=[{task}]", f"feeder.seed={seed}", *overrides])
-    summary, rc = execute(cfg, on_tick=evaluator.tick)
-    final_dir = _final_model(out_dir)
-    final = evaluator.evaluate_dir(final_dir) if final_dir else initial
-    evaluator.record(summary["learner_steps"], final)
+    if cfg.learner.get("report_to"):
+        evaluator.trackers = Trackers(cfg.learner["report_to"], out_dir, cfg.name, "eval", to_dict(cfg))
+    evaluator.record(0, initial)
+    try:
+        summary, rc = execute(cfg, on_tick=evaluator.tick)
+        final_dir = _final_model(out_dir)
+        final = evaluator.evaluate_dir(final_dir) if final_dir else initial
+        evaluator.record(summary["learner_steps"], final)
+    finally:
+        if evaluator.trackers is not None:
+            evaluator.trackers.close()
     summary |= {"initial_eval_reward": initial, "final_eval_reward": final, "eval_gain": final - initial,
                 "task": task, "backend": backend, "seed": seed, "eval_prompts": len(prompts),
                 "wall_seconds": round(time.monotonic() - started, 1), "warm_start_model": str(model),

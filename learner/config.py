@@ -8,6 +8,7 @@ from typing import Literal
 
 from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
 from grpo_core.contract import PipelineContract
+from grpo_core.trackers import Tracker, check_installed
 from grpo_core.weights.config import WeightStoreConfig
 from grpo_learner.advantages import AdvantageConfig
 from grpo_learner.loss import LossConfig
@@ -89,9 +90,14 @@ class LearnerConfig:
     poll_timeout_ms: int = opt(500, "Kafka poll timeout.")
     idle_timeout_s: float = opt(0.0, "Exit if no group arrives for this long (0: wait forever).")
     seed: int = opt(0, "Seed for torch/numpy/python RNGs.")
+    report_to: list[Tracker] = opt(
+        factory=list, help="Experiment trackers fed the per-step metrics (as in metrics.jsonl) with this config "
+        "as hyperparameters: tensorboard (<out_dir>/tensorboard/learner/), wandb (WANDB_MODE=offline keeps it "
+        "local). See grpo_core.trackers.")
 
     def validate(self) -> None:
         require(self.groups_per_batch >= 1, "groups_per_batch: must be >= 1")
+        check_installed(self.report_to)
         require(1 <= self.min_valid_rewards <= self.pipeline.group_size,
                 f"min_valid_rewards: must be in [1, pipeline.group_size={self.pipeline.group_size}]")
         require(self.flush_after_s >= 0, "flush_after_s: must be >= 0 (0: off)")

@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from grpo_core.metrics import dead_letter_counter
+from grpo_core.trackers import Trackers
 
 # Gauges that mirror a StepStats metric of the same name (loss, kl, clip fractions, ratios, rewards, ...).
 STEP_GAUGES = ("loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "entropy",
@@ -18,7 +19,7 @@ PHASES = ("wait", "collate", "forward_old", "forward", "backward", "optimizer", 
 
 
 class LearnerMetrics:
-    def __init__(self, jsonl_path: Path | None = None) -> None:
+    def __init__(self, jsonl_path: Path | None = None, trackers: Trackers | None = None) -> None:
         r = self.registry = CollectorRegistry()
         p = "grpo_stream_learner_"
         self.steps = Counter(p + "steps_total", "Learner steps completed", registry=r)
@@ -43,6 +44,7 @@ class LearnerMetrics:
                                        registry=r)
         self.dead = dead_letter_counter(r, "learner")
         self._jsonl = jsonl_path.open("a", encoding="utf-8") if jsonl_path else None
+        self.trackers = trackers
 
     def observe_step(self, step: int, metrics: dict[str, float], timings: dict[str, float],
                      staleness: list[int], dropped: list[str], tokens: int, skipped: int, lag: int,
@@ -81,10 +83,15 @@ class LearnerMetrics:
         self.published_bytes.inc(size_bytes)
 
     def _write_jsonl(self, line: dict[str, Any]) -> None:
+        """The one place a step's metrics go out: metrics.jsonl (the source of truth), then the trackers."""
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(line, default=float) + "\n")
             self._jsonl.flush()
+        if self.trackers is not None:
+            self.trackers.log(line, int(line["step"]))
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
+        if self.trackers is not None:
+            self.trackers.close()

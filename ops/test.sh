@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-./ops/setup.sh
+./ops/setup.sh --ops  # what running needs, plus the dev extras and the ops tests' validators
 TMP="$ROOT/.cache/pytest-tmp"
 # Whatever happens to pytest (failure, Ctrl-C, a timeout), no test broker outlives this script.
 cleanup() { pkill -TERM -f "kafka.Kafka .*$TMP" 2>/dev/null || true; sleep 1; pkill -KILL -f "kafka.Kafka .*$TMP" 2>/dev/null || true; }

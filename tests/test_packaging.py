@@ -37,7 +37,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                     str(src)], check=True, cwd=base)
     (wheel,) = dist.glob("grpo_stream-*.whl")
     theirs = REPO / ".cache" / "wheels" / VERIFIERS_WHEEL
-    assert theirs.is_file(), f"{theirs} is missing: run ./ops/setup.sh (it downloads verifiers==0.4.0)"
+    assert theirs.is_file(), f"{theirs} is missing: run ./ops/setup.sh --ops (it downloads verifiers==0.4.0)"
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from kafka import KafkaAdminClient
+from test_learner_service import synthetic_group
 
 from grpo_core import wire
 from grpo_core.config import ConfigError, KafkaConfig
@@ -20,7 +21,6 @@ from grpo_core.topics import ensure_topics
 from grpo_core.trackers import check_installed, hparams, scalars
 from grpo_learner.lineage import read_lines
 from grpo_stream.tiny_model import build_tiny_model
-from test_learner_service import synthetic_group
 
 G, B = 4, 2
 

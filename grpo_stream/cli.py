@@ -131,6 +131,12 @@ def _k8s(args: argparse.Namespace) -> int:
     return main([args.action, *args.rest])
 
 
+def _dashboards(args: argparse.Namespace) -> int:
+    from grpo_stream.dashboards import main
+
+    return main(check=args.check, root=args.root)
+
+
 def _chaos(args: argparse.Namespace) -> int:
     from grpo_stream.chaos import main
 
@@ -245,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8.add_argument("action", choices=["generate", "check", "topics"])
     k8.add_argument("rest", nargs=argparse.REMAINDER, help="topics: --config FILE [key=value ...]")
     k8.set_defaults(fn=_k8s)
+
+    db = sub.add_parser("dashboards", help="write ops/grafana/dashboards/*.json from the roles' metrics (Grafana's "
+                        "SDK); --check: fail when the committed files differ")
+    db.add_argument("--check", action="store_true", help="compare only; exit 1 with a diff when a file differs")
+    db.add_argument("--root", default=".", help="the checkout (default: the working directory)")
+    db.set_defaults(fn=_dashboards)
 
     d = sub.add_parser("demo", help="a tiny model learning through the whole pipeline on this CPU (no arguments)")
     d.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="producers' generation backend")

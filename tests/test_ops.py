@@ -563,6 +563,41 @@ def test_dashboards_and_alerts_use_only_exported_metrics() -> None:
         assert verifier <= VERIFIER_AGREED, f"{where}: verifier metrics beyond the agreed set: {verifier}"
 
 
+def test_the_committed_dashboards_are_what_the_metrics_modules_generate() -> None:
+    from grpo_stream import dashboards
+
+    lines: list[str] = []
+    assert dashboards.main(check=True, root=str(ROOT), emit=lines.append) == 0, "\n".join(lines)
+
+
+def test_a_renamed_metric_changes_the_generated_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grafana's SDK builds the dashboards from the roles' metric objects: renaming one makes the committed JSON
+    stale (--check fails with a diff naming it), removing one fails the generation; no dead panel either way."""
+    from prometheus_client import Counter
+
+    import grpo_learner.metrics as lm
+    from grpo_stream import dashboards
+
+    class Renamed(lm.LearnerMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = Counter("grpo_stream_learner_trained_tokens", "renamed", registry=self.registry)
+
+    monkeypatch.setattr(lm, "LearnerMetrics", Renamed)
+    lines: list[str] = []
+    assert dashboards.main(check=True, root=str(ROOT), emit=lines.append) == 1
+    assert "grpo_stream_learner_trained_tokens_total" in "\n".join(lines) and "pipeline.json" in "\n".join(lines)
+
+    class Removed(lm.LearnerMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.tokens
+
+    monkeypatch.setattr(lm, "LearnerMetrics", Removed)
+    with pytest.raises(AttributeError, match="tokens"):
+        dashboards.dashboards()
+
+
 def test_dashboards_are_provisioned() -> None:
     assert {f.stem for f in DASHBOARDS} == {"training", "pipeline", "kafka"}
     uids = set()

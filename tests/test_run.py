@@ -117,3 +117,27 @@ def test_the_lockstep_setting_trains_continuously(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert summary["learner_steps"] == 12, summary
     assert summary["mean_staleness"] == 0 and summary["groups_trained"] == 12 * 16
+
+
+@pytest.mark.slow
+def test_a_saved_hf_dataset_feeds_a_run(tmp_path: Path) -> None:
+    """A dataset written with ``datasets``' ``save_to_disk`` (the format GSM8K / MATH copies are kept in) feeds a
+    whole run through the broker: the learner trains groups of its prompts, scored against its answer column."""
+    import datasets as hf_datasets
+
+    rows = [{"id": f"hf-{i}", "question": f"last({i}{i + 3})=", "answer": str((i + 3) % 10)} for i in range(12)]
+    hf_datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    model = build_tiny_model(tmp_path / "model")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(REPO / "configs" / "demo.yaml"), "name=hf-run",
+           f"out_dir={out}", "max_minutes=4", "learner.max_steps=2", "learner.groups_per_batch=4",
+           f"learner.model.path={model}", f"producers.config.backend.model={model}",
+           f"learner.weights.fs.root={out / 'weights'}", f"producers.config.weights.fs.root={out / 'weights'}",
+           "feeder.source=hf", f"feeder.hf.path={tmp_path / 'ds'}", "feeder.hf.id_field=id",
+           "feeder.hf.task=exact", "producers.count=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = [e["group_id"] for line in map(json.loads, (out / "lineage.jsonl").read_text().splitlines())
+               for e in line["trained"]]
+    assert len(trained) == 8 and all(g.split("@")[0] in {r["id"] for r in rows} for g in trained), trained
+    assert json.loads((out / "summary.json").read_text())["learner_steps"] == 2

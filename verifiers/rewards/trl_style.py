@@ -7,9 +7,11 @@ nothing). In a conversational dataset ``prompts`` are message lists and each com
 ``[{"role": "assistant", "content": text}]``.
 
 Here a term ``{name: "trl:my_pkg.rewards:accuracy"}`` is called once per completion with lists of one: the
-record's prompt, its completion and every PromptTask metadata field as a one-element column. TRL's reward
-functions score samples independently (a ``zip`` over the lists), so the value is the one TRL computes; a
-function that compares the samples of a batch with each other is not supported. ``None`` scores 0 without an
+record's prompt, its completion and every PromptTask metadata field as a one-element column. Why not the group's
+G at once: TRL itself calls them on each process's slice of the generation batch, which holds whole groups or
+parts of groups depending on the device count, so a TRL reward function cannot depend on which samples share
+its call -- it scores each sample on its own (a ``zip`` over the lists), and one at a time gives TRL's value
+while keeping the pool's per-record timeout and retry (one hung sample costs one record, not its group). ``None`` scores 0 without an
 error (``info: {"trl": "none"}``), as TRL's ``nansum`` leaves it out. The value is judged like any reward's
 (``grpo_verifiers.rewards.registry.judge``: in [0, 1], finite). The term's ``params`` are passed as keyword
 arguments, except ``conversational`` (default false), which is this adapter's: wrap the prompt as a user message

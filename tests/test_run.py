@@ -75,7 +75,7 @@ def test_run_restarts_a_killed_child_and_completes(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "model")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(REPO / "configs" / "demo.yaml"), "name=restart-test",
-           f"out_dir={out}", "max_minutes=6", "learner.max_steps=40", f"learner.model.path={model}",
+           f"out_dir={out}", "max_minutes=6", "learner.max_steps=20", f"learner.model.path={model}",
            f"producers.config.backend.model={model}", f"learner.weights.fs.root={out / 'weights'}",
            f"producers.config.weights.fs.root={out / 'weights'}", "restart_backoff_s=0.5"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -85,18 +85,18 @@ def test_run_restarts_a_killed_child_and_completes(tmp_path: Path) -> None:
         metrics = out / "metrics.jsonl"
         if killed is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
             killed = json.loads((out / "children.json").read_text())["producer-0"]["pid"]
-            os.kill(killed, signal.SIGKILL)  # mid-run: the learner is at step >= 5 of 40
+            os.kill(killed, signal.SIGKILL)  # mid-run: the learner is at step >= 5 of 20
         time.sleep(0.5)
     output, _ = proc.communicate(timeout=300)
     assert killed is not None, output[-3000:]
     assert proc.returncode == 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["learner_steps"] == 40 and not summary["learner_failed"]
+    assert summary["learner_steps"] == 20 and not summary["learner_failed"]
     assert summary["restarts"] == {"producer-0": 1}
     children = json.loads((out / "children.json").read_text())
     assert children["producer-0"]["pid"] != killed
     assert (out / "report.png").stat().st_size > 10_000
-    assert summary["groups_trained"] == 40 * 16 and summary["weight_versions_published"] == 1 + 40 // 4
+    assert summary["groups_trained"] == 20 * 16 and summary["weight_versions_published"] == 1 + 20 // 4
 
 
 @pytest.mark.slow

@@ -11,12 +11,12 @@ record's prompt, its completion and every PromptTask metadata field as a one-ele
 G at once: TRL itself calls them on each process's slice of the generation batch, which holds whole groups or
 parts of groups depending on the device count, so a TRL reward function cannot depend on which samples share
 its call -- it scores each sample on its own (a ``zip`` over the lists), and one at a time gives TRL's value
-while keeping the pool's per-record timeout and retry (one hung sample costs one record, not its group). ``None`` scores 0 without an
-error (``info: {"trl": "none"}``), as TRL's ``nansum`` leaves it out. The value is judged like any reward's
-(``grpo_verifiers.rewards.registry.judge``: in [0, 1], finite). The term's ``params`` are passed as keyword
-arguments, except ``conversational`` (default false), which is this adapter's: wrap the prompt as a user message
-and the completion as an assistant message, for functions written for a chat dataset (the producers'
-``apply_chat_template``). It runs in the sandboxed pool like any user function.
+while keeping the pool's per-record timeout and retry (one hung sample costs one record, not its group).
+``None`` scores 0 without an error (``info: {"trl": "none"}``), as TRL's ``nansum`` leaves it out. The value
+is judged like any reward's (``grpo_verifiers.rewards.registry.judge``: in [0, 1], finite). The term's
+``params`` are passed as keyword arguments, except ``conversational`` (default false), which is this adapter's:
+wrap the prompt as a user message and the completion as an assistant message, for functions written for a chat
+dataset (the producers' ``apply_chat_template``). It runs in the sandboxed pool like any user function.
 """
 
 from __future__ import annotations

@@ -137,6 +137,12 @@ def _dashboards(args: argparse.Namespace) -> int:
     return main(check=args.check, root=args.root)
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from grpo_stream.sweep import main
+
+    return main(args.config, args.overrides)
+
+
 def _chaos(args: argparse.Namespace) -> int:
     from grpo_stream.chaos import main
 
@@ -251,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     k8.add_argument("action", choices=["generate", "check", "topics"])
     k8.add_argument("rest", nargs=argparse.REMAINDER, help="topics: --config FILE [key=value ...]")
     k8.set_defaults(fn=_k8s)
+
+    sw = sub.add_parser("sweep", help="a grid of real runs (the paper's v/i arms) x seeds -> sweep.png, sweep.md")
+    sw.add_argument("config", help="sweep YAML (e.g. configs/sweeps/paper-grid.yaml)")
+    sw.add_argument("overrides", nargs="*", help="key=value overrides of the sweep file (seeds=[0], ...)")
+    sw.set_defaults(fn=_sweep)
 
     db = sub.add_parser("dashboards", help="write ops/grafana/dashboards/*.json from the roles' metrics (Grafana's "
                         "SDK); --check: fail when the committed files differ")

@@ -40,7 +40,7 @@ class Evaluator:
 
     def __init__(self, out: Path, weights_root: Path, run: str, tokenizer_dir: Path, prompts: list[str],
                  answers: list[str], max_tokens: int, every_s: float = EVAL_EVERY_S,
-                 until: float | None = None) -> None:
+                 until: float | None = None, pass_k: int = 0, temperature: float = 1.0) -> None:
         from transformers import AutoTokenizer
 
         self.path, self.versions_dir = out / "eval.jsonl", weights_root / run
@@ -49,10 +49,17 @@ class Evaluator:
         self.last, self.done_versions = time.monotonic(), {0}
         self.until, self.rewards, self.reached_at = until, [], None  # rewards: of published versions, in order
         self.trackers: Trackers | None = None  # the run's report_to, job "eval"
+        self.pass_k, self.temperature = pass_k, temperature  # pass_k > 0: Pass@1 over k samples too (the sweep)
 
-    def record(self, step: int, reward: float) -> None:
-        """The one place an evaluation goes out: eval.jsonl (the source of truth), then the trackers."""
-        line = {"step": step, "eval_reward": reward, "time": time.time()}
+    def record(self, step: int, reward: float, model_dir: Path | None = None) -> None:
+        """The one place an evaluation goes out: eval.jsonl (the source of truth), then the trackers. With
+        ``pass_k`` and ``model_dir``, the line also has ``pass_at_1`` over ``pass_k`` samples per prompt."""
+        line: dict[str, Any] = {"step": step, "eval_reward": reward, "time": time.time()}
+        if self.pass_k and model_dir is not None:
+            from grpo_stream.demo_model import sampled_pass_at_1
+
+            line["pass_at_1"] = sampled_pass_at_1(model_dir, self.prompts, self.answers, self.pass_k,
+                                                  self.temperature, self.max_tokens, tokenizer=self.tokenizer)
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         if self.trackers is not None:
@@ -84,7 +91,7 @@ class Evaluator:
             print(f"[demo] eval of {newest.name} skipped: {exc}")
             return False
         self.done_versions.add(version)
-        self.record(version, reward)
+        self.record(version, reward, newest)
         self.rewards.append(reward)
         print(f"[demo] held-out reward {reward:.3f} at v{version}", flush=True)
         if target_reached(self.rewards, self.until):
@@ -107,7 +114,8 @@ def prepare_model(seed: int, task: str) -> Path:
 
 def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
              task: str = "last_digit", config: str | Path | None = None,
-             overrides: tuple[str, ...] = (), until: float | None = DEFAULT_UNTIL) -> dict[str, Any]:
+             overrides: tuple[str, ...] = (), until: float | None = DEFAULT_UNTIL,
+             pass_k: int = 0, eval_every_s: float = EVAL_EVERY_S) -> dict[str, Any]:
     from grpo_stream.demo_model import task_items
     from grpo_stream.report import write_report
     from grpo_stream.run import RunConfig, execute
@@ -121,7 +129,9 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
     cfg = load_config(RunConfig, config or shipped_config("demo.yaml"), overrides)
     # The same decoding length for sampling and evaluation: the answer is what the producers would generate.
     max_tokens = cfg.producers.config.get("sampling", {}).get("max_tokens") or cfg.pipeline.max_new_tokens
-    evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens, until=until)
+    temperature = float(cfg.producers.config.get("sampling", {}).get("temperature", 1.0))
+    evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens, until=until,
+                          every_s=eval_every_s, pass_k=pass_k, temperature=temperature)
     initial = evaluator.evaluate_dir(model)
     print(f"[demo] {task}: {len(prompts)} held-out prompts; warm-started model scores {initial:.3f}")
     budget = minutes - (time.monotonic() - started) / 60 - FINAL_EVAL_RESERVE_MIN
@@ -133,12 +143,12 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
         f"feeder.synthetic.tasks=[{task}]", f"feeder.seed={seed}", *overrides])
     if cfg.learner.get("report_to"):
         evaluator.trackers = Trackers(cfg.learner["report_to"], out_dir, cfg.name, "eval", to_dict(cfg))
-    evaluator.record(0, initial)
+    evaluator.record(0, initial, model)
     try:
         summary, rc = execute(cfg, on_tick=evaluator.tick)
         final_dir = _final_model(out_dir)
         final = evaluator.evaluate_dir(final_dir) if final_dir else initial
-        evaluator.record(summary["learner_steps"], final)
+        evaluator.record(summary["learner_steps"], final, final_dir)
     finally:
         if evaluator.trackers is not None:
             evaluator.trackers.close()

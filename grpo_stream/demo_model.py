@@ -263,3 +263,30 @@ def evaluate(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], ans
 
         return sum(positions(s, "", {"answer": a})[0] for s, a in zip(said, answers, strict=True)) / len(answers)
     return accuracy(said, answers)
+
+
+@torch.inference_mode()
+def sampled_pass_at_1(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], answers: list[str], k: int,
+                      temperature: float = 1.0, max_tokens: int = 4, seed: int = 0,
+                      tokenizer: AutoTokenizer | None = None) -> float:
+    """Pass@1 estimated from ``k`` samples per prompt at ``temperature`` (the paper: 50 samples): the mean, over
+    prompts and samples, of exact match. Seeded, so the same weights give the same estimate."""
+    from grpo_producers.backends.hf import left_pad
+
+    model, tok = _load(model_or_dir, tokenizer)
+    eos_id = int(tok.eos_token_id)
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    right = 0
+    for start in range(0, len(prompts), 64):
+        chunk = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts[start:start + 64]]
+        ids, mask = left_pad(chunk, eos_id, model.device)
+        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                             top_k=None, top_p=None, num_return_sequences=k, max_new_tokens=max_tokens,
+                             eos_token_id=eos_id, pad_token_id=eos_id)
+        said = [completion_answer(tok, row) for row in gen[:, ids.shape[1]:].tolist()]
+        truth = [a for a in answers[start:start + 64] for _ in range(k)]
+        right += sum(s.strip() == a.strip() for s, a in zip(said, truth, strict=True))
+    model.train(was_training)
+    return right / (len(prompts) * k)

@@ -59,6 +59,12 @@ def test_every_shipped_config_parses(name: str) -> None:
         cfg = load_config(RunConfig, REPO / "configs" / name)
         assert set(role_configs(cfg, "127.0.0.1:9092")) >= {"learner", "producer", "verifier"}
         return
+    if name.startswith("sweeps/"):  # a sweep: its own file, and every arm's run config with every role in it
+        from grpo_stream.sweep import SweepConfig, plan
+
+        sweep = load_config(SweepConfig, REPO / "configs" / name, [f"base={REPO / 'configs/demo.yaml'}"])
+        assert len(plan(sweep)) == len(sweep.seeds) * len(sweep.arms)
+        return
     assert name in SHIPPED, f"configs/{name} is not registered in SHIPPED with its config class"
     if SHIPPED[name] is PipelineContract:
         cfg = load_config(PipelineContract, PIPELINE)

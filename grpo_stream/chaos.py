@@ -118,6 +118,9 @@ class Chaos:
             self.result.drained = self._wait(self._drained, deadline, settle=3)
             self.result.events.append(f"{time.monotonic() - started:5.0f} s, step {self._step()}: "
                                       + ("drained" if self.result.drained else "not drained at the deadline"))
+            # A producer scaled away gets SIGTERM and finishes its batch and closes its clients (up to
+            # kafka_io.CLOSE_S): a run that drains within seconds of "scale 1" must not read it as still running.
+            self._wait(self._stopped_ones_exited, min(deadline, time.monotonic() + 60))
             self.result.states = self._states()
             self.sup.stop_all()  # the learner checkpoints what it trained: the audit reads that checkpoint
             self.result.audit = audit_run(self.kafka, self.contract, self.cfg.out)
@@ -219,6 +222,9 @@ class Chaos:
             admin.close()
         accounted = len(offset_hits(read_lines(self.cfg.out / "lineage.jsonl")))
         return all(lag and sum(lag.values()) == 0 for lag in lags) and accounted >= end
+
+    def _stopped_ones_exited(self) -> bool:
+        return all(c.proc is None or c.proc.poll() is not None for c in self.sup.children if c.done)
 
     def _states(self) -> dict[str, str]:
         def state(c: Child) -> str:

@@ -83,6 +83,8 @@ def test_a_completion_spanning_two_swaps_carries_each_version(engine: AsyncVLLME
     first = live_tokens(engine)
     wait_tokens(engine, first + 8)
     engine.swap(weights_only_dir(models[0], tmp_path / "v2"), version=2)
+    split = engine.last_swap  # where the swap's time went (bench engine prints it)
+    assert split.pause_s > 0 and split.reload_s > 0 and split.resume_s > 0
     [done] = wait_for(engine)
     assert done.key == "g0" and done.error is None and done.samples is not None
     spanned = [s for s in done.samples if len(s.spans) == 3]

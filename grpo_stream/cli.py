@@ -90,11 +90,16 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import producer
 
         return producer.main(bootstrap=args.bootstrap)
+    if args.what == "engine":
+        from grpo_stream.bench import engine
+
+        return engine.main(seconds=args.budget or 20.0, repeats=args.repeats or 3, lengths=args.lengths,
+                           out=args.out or "runs/bench-engine")
     if args.what == "async":
         from grpo_stream.bench import async_bench
 
-        return async_bench.main(budget_s=args.budget, repeats=args.repeats, target=args.target, short=args.short,
-                                out=args.out, arms=args.arms)
+        return async_bench.main(budget_s=args.budget or 90.0, repeats=args.repeats or 1, target=args.target,
+                                short=args.short, out=args.out or "runs/bench-async", arms=args.arms)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -211,16 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async"])
+    b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async", "engine"])
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")
     b.add_argument("--steps", type=int, default=5, help="learner: timed steps per model")
-    b.add_argument("--budget", type=float, default=90.0, help="async: seconds per arm (from its first token)")
-    b.add_argument("--repeats", type=int, default=1, help="async: runs of every arm (min/median/max when > 1)")
+    b.add_argument("--budget", type=float, default=None,
+                   help="async: seconds per arm from its first token (default 90); engine: seconds per run (20)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="async, engine: runs of every arm, interleaved (min/median/max; default 1, engine 3)")
+    b.add_argument("--lengths", default="1-8", help="engine: digit counts of the copy prompts, a range (1-8) or a "
+                                                   "list to draw from (1,1,2,12: a repeat is a weight)")
     b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")
     b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
-    b.add_argument("--out", default="runs/bench-async", help="async: output directory")
+    b.add_argument("--out", default=None, help="async, engine: output directory (runs/bench-async, runs/bench-engine)")
     b.add_argument("--arms", default=None, help="async: only these arms, comma-separated (S, S-hybrid, "
                                                 "P-v1-between, P-v1-inflight, P-v4-between, P-v4-inflight)")
     b.set_defaults(fn=_bench)

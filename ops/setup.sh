@@ -106,10 +106,12 @@ install_python() {
   "${pip[@]}" -c "$cons" -e . "${extra[@]}"
 }
 
-# The test path's Python packages: the dev extras, with torch held where the run set-up pinned it.
+# The test path's Python packages: the dev extras, with torch held where the run set-up pinned it. They include the
+# reasoning-gym extra (its pycosat requirement is an sdist: gcc builds it); a changed pyproject.toml changes the stamp,
+# so an existing venv gets a new requirement on the next run.
 install_dev() {
   local pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q) cons="$CACHE/constraints.txt"
-  say "installing the dev extras (tests, linters, trackers)"
+  say "installing the dev extras (tests, linters, trackers, reasoning-gym)"
   if [ -f "$cons" ]; then "${pip[@]}" -c "$cons" -e ".[dev]"; else "${pip[@]}" -e ".[dev]"; fi
 }
 

@@ -7,6 +7,8 @@ Sources (``FeederConfig.source`` picks one from :data:`LOADERS`):
 * ``hf`` -- a *local* Hugging Face ``datasets`` directory or data file (no hub access); needs ``datasets``.
 * ``synthetic`` -- tiny built-in tasks with exact single-digit answers (the demo's), enumerated
   deterministically, with a seeded train/eval partition so a demo can evaluate on prompts it never trained on.
+* ``reasoning_gym`` -- procedural tasks of reasoning-gym (``grpo_producers.reasoning_gym_source``), each carrying
+  the entry its dataset's ``score_answer`` needs; needs the ``reasoning-gym`` extra.
 
 Prompt ids must be stable across runs and restarts: they are the feeder's resume key and, with epoch and sample
 round, the group id every downstream role deduplicates by. Hence an explicit id field, or the SHA-1 of the
@@ -26,7 +28,7 @@ from typing import Any, Literal
 
 from grpo_core.config import ConfigError, opt, require
 
-Source = Literal["jsonl", "hf", "synthetic"]
+Source = Literal["jsonl", "hf", "synthetic", "reasoning_gym"]
 SyntheticTask = Literal["max", "min", "add_small", "last_digit", "copy", "reverse"]
 # on_bad(reason, where): reason is a short label (a metric label value), where is e.g. "data.jsonl:17".
 BadItemFn = Callable[[str, str], None]
@@ -339,5 +341,14 @@ def load_synthetic(cfg: SyntheticConfig, name: str, on_bad: BadItemFn) -> Iterat
 
 # ------------------------------------------------------------------------------------------ the table
 
+
+def load_reasoning_gym(cfg: Any, name: str, on_bad: BadItemFn) -> Iterator[DatasetItem]:
+    """``source: reasoning_gym``; imported on use: that module builds on this one's DatasetItem."""
+    from grpo_producers.reasoning_gym_source import load_reasoning_gym as load
+
+    return load(cfg, name, on_bad)
+
+
 Loader = Callable[[Any, str, BadItemFn], Iterator[DatasetItem]]
-LOADERS: dict[str, Loader] = {"jsonl": load_jsonl, "hf": load_hf, "synthetic": load_synthetic}
+LOADERS: dict[str, Loader] = {"jsonl": load_jsonl, "hf": load_hf, "synthetic": load_synthetic,
+                              "reasoning_gym": load_reasoning_gym}

@@ -63,6 +63,8 @@ from grpo_producers.datasets import (
     Source,
     SyntheticConfig,
 )
+from grpo_producers.reasoning_gym_source import ReasoningGymConfig
+from grpo_producers.reasoning_gym_source import check as check_reasoning_gym
 
 log = logging.getLogger("feeder")
 STATE_VERSION = 1
@@ -79,10 +81,12 @@ class FeederConfig:
     pipeline: PipelineContract = opt(factory=PipelineContract, help="What every role agrees on; publishes to "
                                                                    "the prompts topic.")
     metrics: MetricsConfig = opt(factory=MetricsConfig, help="/metrics and /health endpoint.")
-    source: Source = opt("jsonl", "Which dataset section below is read: jsonl, hf or synthetic.")
+    source: Source = opt("jsonl", "Which dataset section below is read: jsonl, hf, synthetic or reasoning_gym.")
     jsonl: JsonlConfig = opt(factory=JsonlConfig, help="source: jsonl settings.")
     hf: HfConfig = opt(factory=HfConfig, help="source: hf settings (local data only; needs `datasets`).")
     synthetic: SyntheticConfig = opt(factory=SyntheticConfig, help="source: synthetic settings (the demo tasks).")
+    reasoning_gym: ReasoningGymConfig = opt(
+        factory=ReasoningGymConfig, help="source: reasoning_gym settings (needs the reasoning-gym extra).")
     epochs: int = opt(1, "Passes over the dataset; 0: forever (then set max_ahead or rate_limit_per_s).")
     seed: int = opt(0, "Shuffle seed; each (epoch, round) gets its own permutation derived from it.")
     shuffle: bool = opt(True, "Shuffle each epoch; false: dataset order.")
@@ -114,6 +118,8 @@ class FeederConfig:
             require(bool(self.jsonl.paths), "jsonl.paths: list the JSONL files to read (source: jsonl)")
         if self.source == "hf":
             require(bool(self.hf.path), "hf.path: a local dataset path (source: hf)")
+        if self.source == "reasoning_gym":
+            check_reasoning_gym(self.reasoning_gym)
 
     def resolved_state_path(self) -> Path:
         return Path(self.state_path or Path(self.out_dir or ".cache") / f"feeder-{self.name}.json")

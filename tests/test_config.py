@@ -22,6 +22,7 @@ from grpo_core.topics import TopicsFileConfig
 from grpo_learner.config import LearnerConfig
 from grpo_producers.config import ProducerConfig
 from grpo_producers.feeder import FeederConfig
+from grpo_stream.k8s import RUN_CONFIGS
 from grpo_stream.run import RunConfig, role_configs
 from grpo_verifiers.config import VerifierConfig
 
@@ -55,7 +56,7 @@ SHIPPED_FILES = sorted(str(p.relative_to(REPO / "configs")) for p in (REPO / "co
 @pytest.mark.parametrize("name", SHIPPED_FILES)
 def test_every_shipped_config_parses(name: str) -> None:
     """Role configs parse as their class; run configs (demo, the paper's grid) also validate every role in them."""
-    if name in ("demo.yaml", "chaos.yaml", "bench-async.yaml") or name.startswith("paper/"):
+    if name in RUN_CONFIGS or name.startswith("paper/"):
         cfg = load_config(RunConfig, REPO / "configs" / name)
         assert set(role_configs(cfg, "127.0.0.1:9092")) >= {"learner", "producer", "verifier"}
         return

@@ -10,9 +10,10 @@ returning a reward in [0, 1], optionally with a small JSON-able ``info`` dict (k
 are the term's configured keyword arguments. Anything else it does -- raise, hang, crash the interpreter, exhaust
 memory, return NaN or 1.5 -- costs that record a 0 with a reason, never the verifier.
 
-Rewards are named in the config either by a built-in name (:data:`BUILTINS`: ``exact``, ``regex``, ``format``,
-``math``) or by a dotted path ``"package.module:function"``. :class:`RewardConfig` maps tasks to weighted terms;
-:class:`RewardPool` scores batches of :class:`RewardRequest` into :class:`RewardResult`.
+Rewards are named in the config either by a built-in name (:data:`BUILTINS`: ``exact``, ``positions``, ``regex``,
+``format``, ``math``, ``reasoning_gym``) or by a dotted path ``"package.module:function"``.
+:class:`RewardConfig` maps tasks to weighted terms; :class:`RewardPool` scores batches of :class:`RewardRequest`
+into :class:`RewardResult`.
 """
 
 from grpo_verifiers.rewards.builtins import BUILTINS, Builtin, resolve

@@ -1,10 +1,12 @@
-"""The built-in reward functions (``exact``, ``positions``, ``regex``, ``format``, ``math``) and their registry.
+"""The built-in reward functions (``exact``, ``positions``, ``regex``, ``format``, ``math``, ``reasoning_gym``) and
+their registry.
 
 Every function follows the contract in :mod:`grpo_verifiers.rewards`: ``fn(completion, prompt, metadata, **params)``
 returns a float in [0, 1] or ``(float, info)``. Each registry entry also carries a ``check`` that validates the
 params at config-load time (a typo'd mode fails ``validate()`` instead of erroring on every record), whether the
 function may run in the verifier's own process (``inline_safe``), and an optional ``warmup`` a worker runs before
-it reports ready (so a slow first import does not eat the first call's timeout).
+it reports ready (so a slow first import does not eat the first call's timeout) -- every worker, or with
+``warm_always=False`` only workers whose config names the reward (a heavy optional package).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from grpo_verifiers.rewards import math_reward, trl_style
+from grpo_verifiers.rewards import math_reward, reasoning_gym_reward, trl_style
 
 RewardFn = Callable[..., Any]
 
@@ -227,6 +229,7 @@ class Builtin:
     check: Callable[..., None]  # raises ValueError/TypeError on bad params (called with the params as kwargs)
     inline_safe: bool  # bounded, non-backtracking work on bounded input: may run in the verifier process
     warmup: Callable[[], None] | None = None
+    warm_always: bool = True  # False: warm up only where a by_task term names it (tasks merely named so: lazily)
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -235,6 +238,8 @@ BUILTINS: dict[str, Builtin] = {
     "format": Builtin(format_reward, _check_format, inline_safe=True),
     "regex": Builtin(regex, _check_regex, inline_safe=False),
     "math": Builtin(math_reward.math_answer, math_reward.check_params, inline_safe=False, warmup=math_reward.warmup),
+    "reasoning_gym": Builtin(reasoning_gym_reward.score, reasoning_gym_reward.check_params, inline_safe=False,
+                             warmup=reasoning_gym_reward.warmup, warm_always=False),
 }
 
 

@@ -33,7 +33,7 @@ DEFAULT_TASK = "default"
 class RewardTerm:
     """One weighted reward of a task's combination (weights are normalised to sum to 1)."""
 
-    name: str = opt(help="A built-in (exact, positions, regex, format, math), a dotted path "
+    name: str = opt(help="A built-in (exact, positions, regex, format, math, reasoning_gym), a dotted path "
                          "'package.module:function', or 'trl:package.module:function' for a reward function "
                          "written for TRL's GRPOTrainer (grpo_verifiers.rewards.trl_style).")
     weight: float = opt(1.0, "Relative weight; a task's weights are divided by their sum.")

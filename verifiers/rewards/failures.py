@@ -17,7 +17,8 @@ kind               policy  why
 ``out_of_range``   fail    a value outside [0, 1]
 ``bad_result``     fail    not a number
 ``bad_reply``      fail    a worker's reply did not match the record (a pool bug)
-``bad_input``      fail    the record's metadata cannot be used (a dataset problem, not the model's)
+``bad_input``      fail    the record's metadata cannot be used (a dataset problem, not the model's); a
+                          reward says so by raising :class:`BadInput`
 ``unknown_task``   fail    no reward is configured for the task
 ``pool_error``     fail    the pool itself failed; ``pool_unavailable``: no worker could start
 =================  ======  ===========================================================================
@@ -47,6 +48,11 @@ POLICY: dict[str, Policy] = {
 ZEROABLE = frozenset({"timeout", "memory", "exception", "crash"})
 # Retrying these cannot change the outcome: the same config or the same bytes give the same answer.
 DETERMINISTIC = frozenset({"unknown_task", "bad_input", "empty", "oversized", "invalid_utf8"})
+
+
+class BadInput(ValueError):
+    """Raised by a reward when the record's metadata cannot be used (missing or malformed): ``bad_input``, a
+    failure that is not retried, instead of the ``exception`` a bug in the reward is."""
 
 
 def kind(reason: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from grpo_verifiers.rewards.builtins import BUILTINS, RewardFn, resolve
 from grpo_verifiers.rewards.config import RewardConfig, RewardTerm
+from grpo_verifiers.rewards.failures import BadInput
 
 MAX_INFO_CHARS = 4096  # a term's info travels in every ScoredGroup: keep it a summary, not a transcript
 MAX_ERROR_CHARS = 300
@@ -69,6 +70,8 @@ def call_term(fn: RewardFn, params: dict[str, Any], completion: str, prompt: str
         out = fn(completion, prompt, metadata, **params)
     except MemoryError:
         return TermOutcome(0.0, "memory")
+    except BadInput as exc:  # the record's metadata, not the reward, is at fault (rewards.failures)
+        return TermOutcome(0.0, f"bad_input: {exc}"[:MAX_ERROR_CHARS])
     except Exception as exc:  # any bug in a reward is one record's zero, never the service's crash
         return TermOutcome(0.0, exception_reason(exc))
     return judge(out)
@@ -118,7 +121,8 @@ class Plan:
 
     def warmups(self) -> list[Callable[[], None]]:
         """Warm-up hooks of the pooled built-ins this config can use (run by a worker before it reports ready)."""
-        names = {t.name for terms in self.cfg.by_task.values() for t in terms} | set(BUILTINS)
+        names = {t.name for terms in self.cfg.by_task.values() for t in terms}
+        names |= {n for n, b in BUILTINS.items() if b.warm_always}
         hooks = [BUILTINS[n].warmup for n in sorted(names) if n in BUILTINS and n not in self._inline]
         return [h for h in hooks if h is not None]
 

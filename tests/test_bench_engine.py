@@ -37,7 +37,7 @@ def test_a_short_run_measures_every_arm(tmp_path: Path, capsys: pytest.CaptureFi
     assert eb.main(seconds=2.0, repeats=1, lengths="1-8", out=str(tmp_path)) == 0
     out = capsys.readouterr().out
     for field in ("tokens_per_s", "ratio_to_between", "in-flight swap: pause", "reload", "resume",
-                  "inflight/between", "continuous/between"):
+                  "inflight/between", "continuous/between", "engine cost model", "ms/step"):
         assert field in out, field
     summary = json.loads((tmp_path / "engine.json").read_text())
     assert set(summary["tokens_per_s"]) == set(eb.ARMS)
@@ -45,3 +45,6 @@ def test_a_short_run_measures_every_arm(tmp_path: Path, capsys: pytest.CaptureFi
     inflight = summary["runs"]["inflight"][0]
     assert inflight["swaps"] >= 1 and summary["swap_ms"]["reload"] > 0  # swapped under the groups in flight
     assert summary["runs"]["continuous"][0]["swaps"] == 0
+    seqs = [r["sequences"] for r in summary["occupancy"]]
+    assert seqs == sorted(seqs) and seqs[-1] == 2 * 16 * 8  # up to twice the batch of bench-async.yaml
+    assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in summary["occupancy"])

@@ -16,9 +16,10 @@ Arms, interleaved ``repeats`` times so that the drift of a shared machine hits e
 * ``continuous``: as ``inflight`` without swaps: what continuous batching alone gains, so that the swaps' cost
   is the difference between the two.
 
-Printed: tokens/s per arm (median, min/max), the ratios to ``between`` and where an in-flight swap's time goes
-(pause: the step under way ends and the KV cache is cleared; reload; resume), per swap. Written:
-``engine.json``.
+Printed: tokens/s per arm (median, min/max), the ratios to ``between``, where an in-flight swap's time goes
+(pause: the step under way ends and the KV cache is cleared; reload; resume), per swap, and the engine's cost
+model (:func:`occupancy`: tokens/s and time per step against the sequences in a batch), which says whether
+continuous batching can pay at this operating point at all. Written: ``engine.json``.
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ class Bench:
         self.next = 0
         self.version = 0
 
-    def _prompt(self) -> list[int]:
+    def next_prompt(self) -> list[int]:
         self.next += 1
         return self.prompts[self.next % len(self.prompts)]
 
     def between(self, seconds: float) -> ArmRun:
         run, t0 = ArmRun(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            out = self.engine.generate([self._prompt() for _ in range(self.b)], self.g, self.sampling)
+            out = self.engine.generate([self.next_prompt() for _ in range(self.b)], self.g, self.sampling)
             run.tokens += sum(len(s.token_ids) for group in out for s in group)
             self.engine.load_weights(self.model)
             run.swaps += 1
@@ -101,7 +102,7 @@ class Bench:
 
         def submit() -> None:
             key = f"g{self.next}"
-            self.engine.submit(key, self._prompt(), self.g, self.sampling, self.version)
+            self.engine.submit(key, self.next_prompt(), self.g, self.sampling, self.version)
             keys.add(key)
 
         for _ in range(self.b):
@@ -127,6 +128,22 @@ class Bench:
         return run
 
 
+def occupancy(bench: Bench, seconds: float) -> list[dict[str, float]]:
+    """Tokens/s and time per engine step against the sequences in one batch (no swaps): the engine's cost
+    model. Where a step's time grows with the sequences in it, the slots a batch's early finishers leave idle
+    cost nothing and continuous batching has nothing to fill; where it stays flat, they are the loss."""
+    rows, b0 = [], bench.b
+    for b in sorted({max(1, b0 // 8), max(1, b0 // 4), max(1, b0 // 2), b0, 2 * b0}):
+        tokens, steps, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            out = bench.engine.generate([bench.next_prompt() for _ in range(b)], bench.g, bench.sampling)
+            tokens += sum(len(s.token_ids) for group in out for s in group)
+            steps += max(len(s.token_ids) for group in out for s in group)  # the batch's decode steps
+        dt = time.perf_counter() - t0
+        rows.append({"sequences": b * bench.g, "tokens_per_s": tokens / dt, "ms_per_step": 1000 * dt / steps})
+    return rows
+
+
 def summarise(runs: dict[str, list[ArmRun]]) -> dict[str, Any]:
     med = {arm: statistics.median(r.tokens_per_s for r in rs) for arm, rs in runs.items()}
     swaps = [r for r in runs.get("inflight", []) if r.swaps]
@@ -141,6 +158,9 @@ def summarise(runs: dict[str, list[ArmRun]]) -> dict[str, Any]:
 
 
 def print_report(summary: dict[str, Any], swap_every: float, lengths: list[int]) -> None:
+    print("engine cost model (between-batch generation, no swaps): " + "; ".join(
+        f"{r['sequences']} seqs {r['tokens_per_s']:.0f} tok/s {r['ms_per_step']:.1f} ms/step"
+        for r in summary["occupancy"]))
     print(f"digit counts {sorted(set(lengths))}, weights reloaded every {swap_every:.3f}s in 'inflight' "
           f"(the between arm's time per batch)")
     print(f"{'arm':<12} {'tokens_per_s':>13} {'min/max':>15} {'ratio_to_between':>17}")
@@ -194,9 +214,11 @@ def main(seconds: float = 20.0, repeats: int = 3, lengths: str = "1-8", cpu: int
             runs["continuous"].append(bench.inflight(seconds, None))
             print(f"[bench engine] repeat {rep + 1}/{repeats}: " + ", ".join(
                 f"{arm} {rs[-1].tokens_per_s:.0f} tok/s" for arm, rs in runs.items()), flush=True)
+        cost = occupancy(bench, max(1.0, seconds / 4))
     finally:
         engine.close()
-    summary = summarise(runs) | {"swap_every_s": swap_every, "lengths": digits, "seconds": seconds}
+    summary = summarise(runs) | {"swap_every_s": swap_every, "lengths": digits, "seconds": seconds,
+                                 "occupancy": cost}
     print_report(summary, swap_every, digits)
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "engine.json").write_text(json.dumps(summary, indent=2))

@@ -94,7 +94,7 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import engine
 
         return engine.main(seconds=args.budget or 20.0, repeats=args.repeats or 3, lengths=args.lengths,
-                           out=args.out or "runs/bench-engine")
+                           out=args.out or "runs/bench-engine", batch=args.batch)
     if args.what == "async":
         from grpo_stream.bench import async_bench
 
@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: seconds per arm from its first token (default 90); engine: seconds per run (20)")
     b.add_argument("--repeats", type=int, default=None,
                    help="async, engine: runs of every arm, interleaved (min/median/max; default 1, engine 3)")
+    b.add_argument("--batch", type=int, default=None, help="engine: groups per batch and in flight (default: "
+                                                          "groups_per_batch of configs/bench-async.yaml, 16)")
     b.add_argument("--lengths", default="1-8", help="engine: digit counts of the copy prompts, a range (1-8) or a "
                                                    "list to draw from (1,1,2,12: a repeat is a weight)")
     b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")

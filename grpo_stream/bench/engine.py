@@ -180,7 +180,8 @@ def _r(summary: dict[str, Any], arm: str) -> str:
 
 
 def main(seconds: float = 20.0, repeats: int = 3, lengths: str = "1-8", cpu: int = 0,
-         out: str = "runs/bench-engine") -> int:
+         out: str = "runs/bench-engine", batch: int | None = None) -> int:
+    """``batch``: groups per batch and in flight (default: ``groups_per_batch`` of ``bench-async.yaml``)."""
     from transformers import AutoTokenizer
 
     from grpo_core.config import build, validate_tree
@@ -201,7 +202,7 @@ def main(seconds: float = 20.0, repeats: int = 3, lengths: str = "1-8", cpu: int
     try:
         tok = AutoTokenizer.from_pretrained(model)
         bench = Bench(engine, model, copy_prompts(tok, digits, 4000), sampling, pcfg.pipeline.group_size,
-                      run_cfg.learner["groups_per_batch"])
+                      batch or run_cfg.learner["groups_per_batch"])
         bench.between(min(5.0, seconds))  # warm-up: the first batches of an engine are slow
         runs: dict[str, list[ArmRun]] = {arm: [] for arm in ARMS}
         swap_every = 0.0

@@ -40,7 +40,8 @@ class Evaluator:
 
     def __init__(self, out: Path, weights_root: Path, run: str, tokenizer_dir: Path, prompts: list[str],
                  answers: list[str], max_tokens: int, every_s: float = EVAL_EVERY_S,
-                 until: float | None = None, pass_k: int = 0, temperature: float = 1.0) -> None:
+                 until: float | None = None, pass_k: int = 0, temperature: float = 1.0,
+                 reward: str = "exact") -> None:
         from transformers import AutoTokenizer
 
         self.path, self.versions_dir = out / "eval.jsonl", weights_root / run
@@ -50,6 +51,7 @@ class Evaluator:
         self.until, self.rewards, self.reached_at = until, [], None  # rewards: of published versions, in order
         self.trackers: Trackers | None = None  # the run's report_to, job "eval"
         self.pass_k, self.temperature = pass_k, temperature  # pass_k > 0: Pass@1 over k samples too (the sweep)
+        self.reward = reward  # greedy evaluation: exact match, or positions' partial credit (multi-token tasks)
 
     def record(self, step: int, reward: float, model_dir: Path | None = None) -> None:
         """The one place an evaluation goes out: eval.jsonl (the source of truth), then the trackers. With
@@ -71,7 +73,8 @@ class Evaluator:
         from grpo_stream.demo_model import evaluate
 
         model = AutoModelForCausalLM.from_pretrained(model_dir)
-        return evaluate(model, self.prompts, self.answers, max_tokens=self.max_tokens, tokenizer=self.tokenizer)
+        return evaluate(model, self.prompts, self.answers, max_tokens=self.max_tokens, tokenizer=self.tokenizer,
+                        reward=self.reward)
 
     def tick(self) -> bool:
         """Evaluate the newest published version when one is due; True (end the run) once the target holds."""
@@ -102,21 +105,24 @@ class Evaluator:
 
 def prepare_model(seed: int, task: str) -> Path:
     """The warm-started tiny model (cached per seed and task under .cache/demo-models)."""
-    from grpo_stream.demo_model import warm_start
+    from grpo_stream.demo_model import warm_recipe, warm_start
     from grpo_stream.tiny_model import build_tiny_model
 
     root = Path(".cache") / "demo-models" / f"seed{seed}"
     base = build_tiny_model(root / "base", seed=seed)
-    # The warm start teaches the format "answer with one of the prompt's digits" (which one: random), so the
-    # held-out score starts at chance among those digits; RL has to learn which digit is right.
-    return warm_start(base, task, seed=seed, out_dir=root / f"warm-{task.replace(',', '+')}", answers="prompt_digit")
+    # The warm start teaches the format -- "answer with one of the prompt's digits" (which one: random), or for
+    # a multi-token task "the prompt's digits in some order" -- so the held-out score starts at chance; RL has
+    # to learn which answer is right.
+    answers, steps = warm_recipe(task)
+    return warm_start(base, task, steps=steps, seed=seed, out_dir=root / f"warm-{task.replace(',', '+')}",
+                      answers=answers)
 
 
 def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
              task: str = "last_digit", config: str | Path | None = None,
              overrides: tuple[str, ...] = (), until: float | None = DEFAULT_UNTIL,
              pass_k: int = 0, eval_every_s: float = EVAL_EVERY_S) -> dict[str, Any]:
-    from grpo_stream.demo_model import task_items
+    from grpo_stream.demo_model import task_items, task_reward
     from grpo_stream.report import write_report
     from grpo_stream.run import RunConfig, execute
 
@@ -131,7 +137,7 @@ def run_demo(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str 
     max_tokens = cfg.producers.config.get("sampling", {}).get("max_tokens") or cfg.pipeline.max_new_tokens
     temperature = float(cfg.producers.config.get("sampling", {}).get("temperature", 1.0))
     evaluator = Evaluator(out_dir, out_dir / "weights", "demo", model, prompts, answers, max_tokens, until=until,
-                          every_s=eval_every_s, pass_k=pass_k, temperature=temperature)
+                          every_s=eval_every_s, pass_k=pass_k, temperature=temperature, reward=task_reward(task))
     initial = evaluator.evaluate_dir(model)
     print(f"[demo] {task}: {len(prompts)} held-out prompts; warm-started model scores {initial:.3f}")
     budget = minutes - (time.monotonic() - started) / 60 - FINAL_EVAL_RESERVE_MIN

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grpo_core.fsutil import move_into
-from grpo_producers.datasets import SyntheticConfig, load_synthetic
+from grpo_producers.datasets import SYNTHETIC_REWARDS, SyntheticConfig, load_synthetic
 from grpo_stream.tiny_model import _check_no_lm_head, _quietly
 
 WARM_START_FILE = "warm_start.json"
@@ -49,6 +49,24 @@ def family_list(task_family: TaskFamilies) -> list[str]:
     """``"max"``, ``"max,last_digit"`` or ``["max", "last_digit"]`` -> a list of family names (order kept)."""
     names = task_family.split(",") if isinstance(task_family, str) else list(task_family)
     return [n.strip() for n in names if n.strip()]
+
+
+def multi_token(task_family: TaskFamilies) -> bool:
+    """Whether the families' answers are digit strings (``copy``, ``reverse``: scored by ``positions``)."""
+    return all(SYNTHETIC_REWARDS.get(f) == "positions" for f in family_list(task_family))
+
+
+def task_reward(task_family: TaskFamilies) -> str:
+    """How the held-out evaluation scores the families: the verifier's reward for them (``positions``:
+    partial credit per digit for multi-token answers; ``exact`` otherwise)."""
+    return "positions" if multi_token(task_family) else "exact"
+
+
+def warm_recipe(task_family: TaskFamilies) -> tuple[WarmAnswers, int]:
+    """The format-only warm start of the families, (answers, steps): the prompt's digits in a random order then
+    EOS for multi-token answers (300 steps: the length and the digits take longer to learn than one digit),
+    one of the prompt's digits otherwise; neither says which answer is right."""
+    return ("shuffled", 300) if multi_token(task_family) else ("prompt_digit", WARM_START_STEPS)
 
 
 def task_items(task_family: TaskFamilies, split: str = "train", seed: int = 0) -> tuple[list[str], list[str]]:

@@ -96,3 +96,21 @@ def test_the_shuffled_warm_start_teaches_length_and_digits_not_their_order(dirs:
     print(f"copy warm start: all digits {digits:.2f}, right length {length:.2f}, positions {score:.3f}")
     assert digits >= 0.9 and length >= 0.4 and 0.1 < score < 0.6
     assert dm.evaluate(dirs[0], prompts, answers, max_tokens=12, reward="positions") < 0.05
+
+
+def test_the_demo_flow_scores_and_warm_starts_a_multi_token_task_as_such(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep or demo on ``copy`` warm-starts on the digits in some order and evaluates with the verifier's
+    ``positions`` partial credit; a one-token task keeps one digit and exact match."""
+    assert dm.task_reward("copy") == dm.task_reward("copy,reverse") == "positions"
+    assert dm.task_reward("last_digit") == dm.task_reward("copy,last_digit") == "exact"
+    assert dm.warm_recipe("reverse") == ("shuffled", 300)
+    assert dm.warm_recipe("last_digit") == ("prompt_digit", dm.WARM_START_STEPS)
+    from grpo_stream.demo import Evaluator
+
+    scored_with: list[str] = []
+    monkeypatch.setattr(dm, "evaluate", lambda *a, reward="exact", **k: scored_with.append(reward) or 0.5)
+    base = build_tiny_model(tmp_path / "tiny")
+    for reward in ("positions", "exact"):
+        Evaluator(tmp_path, tmp_path / "w", "demo", base, ["copy(12)="], ["12"], 12, reward=reward).evaluate_dir(base)
+    assert scored_with == ["positions", "exact"]

@@ -57,6 +57,11 @@ class RunConfig:
     max_minutes: float = opt(0.0, "Stop the run after this long (0: when the learner reaches max_steps).")
     restart_backoff_s: float = opt(2.0, "First restart delay of a crashed child (doubles per crash).")
     max_restarts: int = opt(5, "Give up on a role after this many crashes (then the run fails).")
+    learner_ranks: int = opt(
+        1, "Learner ranks on this machine: > 1 starts the learner under torchrun --standalone --nproc-per-node N "
+           "(learner.parallel.strategy ddp or fsdp2); torchrun restarts the whole group when a rank dies, up to "
+           "learner_rank_restarts times, and the learner resumes from its newest checkpoint.")
+    learner_rank_restarts: int = opt(3, "torchrun's --max-restarts for a learner of several ranks.")
     cpus: dict[str, list[int]] = opt(
         factory=dict, help="CPUs per role (feeder, producer, verifier, learner), e.g. {producer: [0], learner: "
         "[1]}: the supervisor pins each child of the role to them (its later threads and processes, a vLLM "
@@ -76,6 +81,11 @@ class RunConfig:
                                                f"(one for every role); move these keys there")
         require(self.producers.count >= 0 and self.verifiers.count >= 0, "producers/verifiers.count: must be >= 0")
         require(self.max_restarts >= 0, "max_restarts: must be >= 0")
+        strategy = (self.learner.get("parallel") or {}).get("strategy", "none")
+        require(self.learner_ranks >= 1 and (self.learner_ranks == 1 or strategy in ("ddp", "fsdp2")),
+                f"learner_ranks: {self.learner_ranks} needs >= 1, and above 1 learner.parallel.strategy ddp or "
+                f"fsdp2 (got {strategy})")
+        require(self.learner_rank_restarts >= 0, "learner_rank_restarts: must be >= 0")
 
     @property
     def out(self) -> Path:
@@ -192,6 +202,9 @@ class Supervisor:
         logs.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "grpo_stream.cli", role if role != "feeder" else "feed", "--config",
                str(config_path)]
+        if role == "learner" and self.cfg.learner_ranks > 1:
+            cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.cfg.learner_ranks}",
+                        f"--max-restarts={self.cfg.learner_rank_restarts}", "-m", "grpo_stream.cli"]
         if role == "producer":
             cmd.append(f"producer_id={name}")
         elif role == "verifier":

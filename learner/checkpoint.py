@@ -38,6 +38,11 @@ class Checkpoint:
     def model_dir(self) -> Path:
         return self.path / "model"
 
+    @property
+    def layout(self) -> str:
+        """``classic`` (model/ + trainer.pt, one process) or ``dcp`` (sharded: ``grpo_learner.dist_checkpoint``)."""
+        return str(self.meta.get("layout", "classic"))
+
     def trainer_state(self) -> dict[str, Any]:
         return torch.load(self.path / "trainer.pt", map_location="cpu", weights_only=False)
 
@@ -61,14 +66,25 @@ def save(root: Path, step: int, models: dict[str, torch.nn.Module], trainer_stat
          meta: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` atomically; ``models`` maps a subdirectory name to a HF model."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
+    tmp = temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for name, model in models.items():
         # One file, not shards: the same file serves the vLLM in-place reload and fast restore.
         model.save_pretrained(tmp / name, safe_serialization=True, max_shard_size="1000GB")
     torch.save(trainer_state, tmp / "trainer.pt")
+    return commit(root, tmp, step, meta, keep)
+
+
+def temp_dir(root: Path, step: int) -> Path:
+    """Where checkpoint ``step`` is assembled before :func:`commit` renames it into place."""
+    return root / f".tmp-step-{step:08d}"
+
+
+def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
+    """Write ``meta.json`` into the assembled ``tmp``, make it durable, rename it into place, then move ``latest``:
+    the rename is the instant the checkpoint exists (the same for the sharded ones, ``dist_checkpoint``)."""
+    final = root / f"step-{step:08d}"
     (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
     _fsync_tree(tmp)
     if final.exists():  # a re-run of the same step after a crash: the new one wins

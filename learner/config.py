@@ -47,6 +47,44 @@ class OptimConfig:
         require(self.warmup_steps >= 0, "optim.warmup_steps: must be >= 0")
 
 
+Strategy = Literal["none", "ddp", "fsdp2"]
+
+
+@dataclass
+class ParallelConfig:
+    """Data parallelism: one learner on N ranks under ``torchrun`` (learner/parallel.py). Rank 0 alone talks to
+    Kafka; every rank trains a token-balanced share of each batch; gradients are averaged by DDP or FSDP2."""
+
+    strategy: Strategy = opt(
+        "none", "none: one process, the classic learner (checkpoints: model/ + trainer.pt). ddp: every rank holds "
+                "the whole model, DDP all-reduces gradients. fsdp2: torch's fully_shard shards parameters, gradients "
+                "and optimizer state over the ranks. ddp and fsdp2 checkpoint with torch.distributed.checkpoint; "
+                "started without torchrun they run as a world of one rank.")
+    mixed_precision: Literal["none", "bfloat16", "float16"] = opt(
+        "none", "fsdp2 only: the dtype parameters are all-gathered and computed in (FSDP2 MixedPrecisionPolicy "
+                "param_dtype); the sharded master weights and the optimizer stay in model.dtype (float32).")
+    reduce_dtype: Literal["float32", "bfloat16"] = opt(
+        "float32", "fsdp2 with mixed_precision: the dtype gradients are reduce-scattered in.")
+    cpu_offload: bool = opt(
+        False, "fsdp2 on CUDA only: keep the sharded parameters, gradients and optimizer state in (pinned) host "
+               "memory and step the optimizer on the CPU (FSDP2 CPUOffloadPolicy).")
+    backend: Literal["auto", "gloo", "nccl"] = opt(
+        "auto", "torch.distributed backend. auto: nccl when model.device is cuda, gloo on cpu.")
+    timeout_s: float = opt(
+        1800.0, "How long a rank waits in a collective (the followers wait for rank 0's next command, rank 0 keeps "
+                "them alive while it waits for Kafka). Must exceed the longest checkpoint or weight publish.")
+
+    def validate(self) -> None:
+        require(self.strategy in ("none", "ddp", "fsdp2"),
+                f"parallel.strategy: {self.strategy!r} is not one of ['none', 'ddp', 'fsdp2']")
+        require(self.mixed_precision == "none" or self.strategy == "fsdp2",
+                f"parallel.mixed_precision: {self.mixed_precision} needs strategy fsdp2 (got {self.strategy}); "
+                "with ddp or none set model.dtype instead")
+        require(not self.cpu_offload or self.strategy == "fsdp2",
+                f"parallel.cpu_offload: needs strategy fsdp2 (got {self.strategy})")
+        require(self.timeout_s >= 60, f"parallel.timeout_s: must be >= 60 s, got {self.timeout_s}")
+
+
 @dataclass
 class LearnerConfig:
     """One learner process: consume scored groups, train, publish weights, checkpoint."""
@@ -60,6 +98,7 @@ class LearnerConfig:
     advantages: AdvantageConfig = opt(factory=AdvantageConfig, help="Rewards -> advantages (eq. 2, 8).")
     optim: OptimConfig = opt(factory=OptimConfig, help="Optimizer.")
     weights: WeightStoreConfig = opt(factory=WeightStoreConfig, help="Where published weights go.")
+    parallel: ParallelConfig = opt(factory=ParallelConfig, help="Data-parallel training under torchrun.")
     skip_to: dict[str, int] = opt(
         factory=dict, help="Operator skip at start-up: {partition: offset} to resume the groups topic from, past "
                            "records the learner must not train. Recorded in the lineage (operator_skip) and "
@@ -109,6 +148,17 @@ class LearnerConfig:
         require(self.checkpoint_every >= 1, "checkpoint_every: must be >= 1")
         require(self.max_steps >= 0 and self.stage_steps >= 0, "max_steps/stage_steps: must be >= 0")
         require(self.dedup_window >= 1000, "dedup_window: must be >= 1000")
+        par = self.parallel
+        require(par.mixed_precision == "none" or self.model.dtype == "float32",
+                f"parallel.mixed_precision={par.mixed_precision} keeps float32 master weights: set "
+                f"model.dtype=float32 (got {self.model.dtype})")
+        require(not par.cpu_offload or self.model.device.startswith("cuda"),
+                "parallel.cpu_offload: offloads from a GPU to host memory; with model.device=cpu set it false")
+        require(par.backend != "nccl" or self.model.device.startswith("cuda"),
+                "parallel.backend=nccl: needs model.device=cuda (gloo or auto on cpu)")
+        require(par.strategy == "none" or self.model.device in ("cpu", "cuda"),
+                f"model.device={self.model.device!r}: with parallel.strategy={par.strategy} say cpu or cuda; each "
+                "rank takes cuda:LOCAL_RANK")
 
     def loss_config(self) -> LossConfig:
         """The loss config with ``max_len_norm`` resolved: Dr.GRPO's constant is the longest completion."""

@@ -331,6 +331,26 @@ def _metrics(p: _Prepared, s: _Surrogate, kl: Tensor, is_w: Tensor | None,
         return dict(zip(keys, flat.tolist(), strict=True))
 
 
+def _correction(proximal: Tensor, behaviour: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """The IS weight w = pi_k/alpha after ``cfg.is_correction`` and the mask of the tokens it keeps."""
+    assert cfg.is_correction is not None
+    w = torch.exp(log_ratio(proximal, behaviour, mask))
+    return CORRECTIONS[cfg.is_correction](w, mask, cfg.is_cap)
+
+
+def counted_tokens(mask: Tensor, behaviour_logprobs: Tensor, proximal_logprobs: Tensor | None,
+                   cfg: LossConfig) -> int:
+    """How many tokens ``compute_loss`` counts (the ``token_mean`` denominator, the ``tokens`` metric): those of
+    ``mask`` that the IS correction keeps (``mis`` rejects some; the proximal logprobs are fixed for a batch, so
+    the count is known before the first backward)."""
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    if cfg.is_correction is None or proximal_logprobs is None:
+        return int(keep.sum())
+    dtype = torch.promote_types(proximal_logprobs.dtype, torch.float32)
+    _, kept = _correction(proximal_logprobs.detach().to(dtype), behaviour_logprobs.detach().to(dtype), keep, cfg)
+    return int(kept.sum())
+
+
 def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     """``loss = -agg(w_t * term_t) + beta * agg(k3_t)`` over the counted tokens (arXiv 2505.22257, eq. 7).
 
@@ -341,7 +361,8 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
 
     For zero-variance groups (all advantages 0) the surrogate and its gradient vanish; to also drop their
     KL term as eq. 8 does, zero their rows of ``mask``. Every mean is over this call's tensors only: with
-    gradient accumulation over micro-batches the caller rescales (B_micro / B for the sequence means).
+    gradient accumulation over micro-batches (and ranks) the caller rescales (``grpo_learner.parallel.share``:
+    B_micro / B for the sequence means, counted tokens / the batch's for the token mean).
     """
     cfg.validate()
     p = _prepare(inputs, cfg)
@@ -349,8 +370,7 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     is_w: Tensor | None = None
     if cfg.is_correction is not None:
         assert p.proximal is not None  # _prepare raised otherwise
-        w = torch.exp(log_ratio(p.proximal, p.behaviour, p.mask))
-        is_w, mask = CORRECTIONS[cfg.is_correction](w, p.mask, cfg.is_cap)
+        is_w, mask = _correction(p.proximal, p.behaviour, p.mask, cfg)
         p = p._replace(mask=mask)
     s = _VARIANTS[cfg.variant](p, cfg)
     if cfg.dual_clip_c is not None:

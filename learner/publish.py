@@ -41,7 +41,11 @@ def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def safetensors_payload(model: torch.nn.Module) -> Payload:
     """``model.safetensors`` of ``model``'s current weights, as a stream of blocks (read it once, right away:
     the blocks are views of the live parameters)."""
-    tensors = unique_tensors(model)
+    return tensors_payload(unique_tensors(model))
+
+
+def tensors_payload(tensors: dict[str, torch.Tensor]) -> Payload:
+    """``model.safetensors`` of ``tensors`` (names as the model's state dict, each storage once)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in sorted(tensors):

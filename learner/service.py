@@ -3,6 +3,10 @@
 Order of effects at a publishing step ``s`` (the reason every announced version can be restored):
 checkpoint(s) -> write weights(s) to the store -> announce(s). A crash between the first and the last is
 repaired at start-up, which re-publishes the checkpoint's weights when the announcement is missing.
+
+Under ``torchrun`` (``parallel.strategy`` ddp/fsdp2) this process is rank 0 and everything here stays its own; each
+step, checkpoint, publish and reference reset is first announced to the other ranks (``grpo_learner.ranks``), which
+take their part in it. Checkpoints are then sharded (``grpo_learner.dist_checkpoint``).
 """
 
 from __future__ import annotations
@@ -12,33 +16,28 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from grpo_core import wire
-from grpo_core.config import load_config, to_dict
+from grpo_core.config import ConfigError, load_config, to_dict
 from grpo_core.kafka_io import DeadLetters, assigned_lag, make_consumer, make_producer
 from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.staleness import staleness
 from grpo_core.trackers import Trackers
 from grpo_core.weights import MODEL_FILE, WeightPublisher, read_announcements
-from grpo_learner import checkpoint
-from grpo_learner.config import LearnerConfig, ModelConfig
+from grpo_learner import checkpoint, dist_checkpoint, parallel
+from grpo_learner.config import LearnerConfig
 from grpo_learner.lineage import Lineage
 from grpo_learner.metrics import LearnerMetrics
-from grpo_learner.publish import config_payload, safetensors_payload
+from grpo_learner.parallel import Env
+from grpo_learner.publish import config_payload, safetensors_payload, tensors_payload
+from grpo_learner.ranks import Command, Leader, follow
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
-from grpo_learner.trainer import DTYPES, StepStats, Trainer
+from grpo_learner.trainer import StepStats, Trainer, load_model
+
+__all__ = ["Learner", "load_model", "main"]
 
 log = logging.getLogger("learner")
-
-
-def load_model(cfg: ModelConfig, path: str | Path | None = None) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(str(path or cfg.path), dtype=DTYPES[cfg.dtype],
-                                                 trust_remote_code=cfg.trust_remote_code)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    return model.to(cfg.device)
 
 
 def announcement_is_behind(latest: wire.WeightsAnnouncement | None, step: int, publish_every: int,
@@ -51,15 +50,32 @@ def announcement_is_behind(latest: wire.WeightsAnnouncement | None, step: int, p
     return latest.version < step - step % publish_every or latest.contract != contract
 
 
+def check_layout(ckpt: checkpoint.Checkpoint | None, env: Env | None) -> None:
+    """A one-process checkpoint resumes one process, a sharded one a ddp/fsdp2 learner (any world size)."""
+    if ckpt is None or (ckpt.layout == "dcp") == (env is not None):
+        return
+    if env is None:
+        raise ConfigError(f"checkpoint {ckpt.path} is sharded (written by parallel.strategy="
+                          f"{ckpt.meta.get('strategy')} on {ckpt.meta.get('world_size')} rank(s)): resume it with the "
+                          "same parallel.strategy (under torchrun), or use another out_dir for a one-process run")
+    raise ConfigError(f"checkpoint {ckpt.path} was written by a one-process learner (parallel.strategy=none): "
+                      f"resume it with parallel.strategy=none, or use another out_dir for a {env.strategy} run")
+
+
 class Learner:
-    def __init__(self, cfg: LearnerConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: LearnerConfig, env: Env | None = None) -> None:
+        self.cfg, self.env = cfg, env
         self.out = Path(cfg.out_dir or f"runs/{cfg.pipeline.run}")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.ckpt = checkpoint.load_latest(self.out / "checkpoints")
-        model = load_model(cfg.model, self.ckpt.model_dir if self.ckpt else None)
-        self.trainer = Trainer(cfg, model)
+        check_layout(self.ckpt, env)
+        if env is None:
+            model = load_model(cfg.model, self.ckpt.model_dir if self.ckpt else None)
+        else:  # the sharded checkpoint is loaded into the wrapped model by restore()
+            model = load_model(cfg.model, device=env.device)
+        self.trainer = Trainer(cfg, model, env)
+        self.leader = Leader(env, cfg.parallel.timeout_s) if env is not None else None
         self.step = 0
         trackers = Trackers(cfg.report_to, self.out, cfg.pipeline.run, "learner", to_dict(cfg)) if cfg.report_to \
             else None
@@ -89,9 +105,13 @@ class Learner:
         """Resume from the newest checkpoint (model, optimizer, RNG, offsets, dedup set) or start fresh."""
         offsets = None
         if self.ckpt is not None:
-            state = self.ckpt.trainer_state()
-            self.trainer.load_state(state["trainer"])
-            checkpoint.set_rng_state(state["rng"])
+            if self.env is None:
+                state = self.ckpt.trainer_state()
+                self.trainer.load_state(state["trainer"])
+                checkpoint.set_rng_state(state["rng"])
+            else:
+                self._tell(Command.RESTORE, str(self.ckpt.path))
+                state = dist_checkpoint.load(self.ckpt.path, self.trainer, self.env)
             self.step = self.ckpt.step
             self.source.restore_seen(state["seen"])
             offsets = {int(p): int(o) for p, o in self.ckpt.meta["offsets"].items()}
@@ -135,12 +155,19 @@ class Learner:
             if not pick.trained:
                 self._account_drops(pick)
                 continue
+            self._tell(Command.TRAIN)
             stats = self.trainer.train_step([i.group for i in pick.trained])
             stats.timings["wait"] = pick.wait_s
             self._after_step(pick, stats)
         if self.ckpt is None or self.ckpt.step != self.step:
             self.save_checkpoint()
+        self._tell(Command.STOP)
         return self.step
+
+    def _tell(self, command: Command, arg: object = None) -> None:
+        """Announce a collective action to the other ranks (nothing to do alone)."""
+        if self.leader is not None:
+            self.leader.tell(command, arg)
 
     def _after_step(self, pick: Pick, stats: StepStats) -> None:
         trained_at = self.step
@@ -151,6 +178,7 @@ class Learner:
         self.source.commit()
         cfg = self.cfg
         if cfg.stage_steps and self.step % cfg.stage_steps == 0:
+            self._tell(Command.RESET_REF)
             self.trainer.reset_reference()
         publish = self.step % cfg.publish_every == 0
         if (publish and cfg.checkpoint_on_publish) or self.step % cfg.checkpoint_every == 0:
@@ -189,6 +217,8 @@ class Learner:
 
     def _should_stop(self) -> bool:
         """Asked on every poll while waiting for a batch (the main thread: Kafka clients may be used here)."""
+        if self.leader is not None:
+            self.leader.keepalive()
         if time.monotonic() - self._lag_at >= 5.0:  # work waits when a batch's worth is there and not trained
             self._lag_at = time.monotonic()
             self.liveness.waiting = self._lag() >= self.cfg.groups_per_batch
@@ -207,11 +237,18 @@ class Learner:
     def save_checkpoint(self) -> float:
         t0 = time.perf_counter()
         self.lineage.sync()
-        state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
         meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.pipeline.run,
                 "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time()}
-        path = checkpoint.save(self.out / "checkpoints", self.step, {"model": self.trainer.model}, state, meta,
-                               keep=self.cfg.keep_checkpoints)
+        root, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
+        if self.env is None:
+            state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
+            path = checkpoint.save(root, self.step, {"model": self.trainer.model}, state, meta, keep=keep)
+        else:
+            self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
+            saved = dist_checkpoint.save(root, self.step, self.trainer, self.env, {"seen": list(self.source.seen)},
+                                         meta, keep)
+            assert saved is not None  # rank 0 commits
+            path, meta = saved, {**meta, "layout": "dcp"}
         self.ckpt = checkpoint.Checkpoint(path, {**meta, "step": self.step})
         return time.perf_counter() - t0
 
@@ -220,8 +257,12 @@ class Learner:
         t0 = time.perf_counter()
         # Serialised straight into the store, hashed as it is written: no temporary file to copy (publish.py).
         model = self.trainer.model
-        ann = self.publisher.publish(self.step, {MODEL_FILE: safetensors_payload(model),
-                                                 "config.json": config_payload(model)})
+        if self.env is None:
+            weights = safetensors_payload(model)
+        else:  # the other ranks join the gather (FSDP2) and wait for the next command
+            self._tell(Command.PUBLISH)
+            weights = tensors_payload(self.trainer.full_weights())
+        ann = self.publisher.publish(self.step, {MODEL_FILE: weights, "config.json": config_payload(model)})
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)
@@ -238,7 +279,12 @@ class Learner:
 
 def main(config: str | None, overrides: list[str], pipeline: str | None = None) -> int:
     cfg = load_config(LearnerConfig, config, overrides, pipeline_file=pipeline)
-    learner = Learner(cfg)
+    env = parallel.setup(cfg.parallel, cfg.model.device)
+    if env is not None and not env.leader:
+        code = follow(cfg, env)
+        parallel.teardown()
+        return code
+    learner = Learner(cfg, env)
     (learner.out / "learner-config.yaml").write_text(_yaml(to_dict(cfg)))
 
     def run() -> None:
@@ -249,8 +295,10 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
         live, detail = learner.liveness.check()
         return not learner.stopping and live, {"step": learner.step, **detail}
 
-    return serve(learner.metrics.registry, cfg.metrics, health, run, learner.stop, learner.close,
+    code = serve(learner.metrics.registry, cfg.metrics, health, run, learner.stop, learner.close,
                  "finishing the current step, then checkpointing")
+    parallel.teardown()
+    return code
 
 
 def _yaml(data: dict) -> str:

@@ -8,7 +8,8 @@
   ``kustomization.yaml`` that lists them.
 
 ``grpo-stream k8s generate`` rewrites every generated file; ``python -m grpo_stream.k8s check`` exits 1
-naming each stale one (``tests/test_ops.py`` runs the same check).
+naming each stale one (``tests/test_ops.py`` runs the same check). The check also loads every role's config the
+way its manifest does, and checks the data-parallel learner manifests (:func:`parallel_problems`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,88 @@ def _autoscaler_problems(root: Path, contract: PipelineContract) -> list[str]:
             for trig in doc["spec"]["triggers"] for key, value in want.items() if trig["metadata"].get(key) != value]
 
 
+PARALLEL_LEARNERS = (K8S_DIR / "overlays/multi-gpu/learner-torchrun.yaml",
+                     K8S_DIR / "overlays/multi-node/learner-job.yaml")
+SHARED_CLAIM = "grpo-shared"  # the ReadWriteMany volume (ops/k8s/base/storage.yaml)
+
+
+def parallel_problems(root: Path) -> list[str]:
+    """The torchrun learners: ``torchrun ... --no-python grpo-stream learner`` whose config loads with the contract
+    and a ddp/fsdp2 strategy, one rank per GPU, restarts on a rank's death; the multi-node Job also an indexed
+    Job of --nnodes pods, a c10d rendezvous on pod 0 through a headless Service, checkpoints on the shared volume."""
+    problems = []
+    for rel in PARALLEL_LEARNERS:
+        path = root / rel
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d] if path.is_file() else []
+        workloads = [d for d in docs if d.get("kind") in ("StatefulSet", "Job")]
+        if not workloads:
+            problems.append(f"{rel}: no learner StatefulSet or Job")
+        for doc in workloads:
+            problems += [f"{rel}: {msg}" for msg in _torchrun_problems(root, doc, docs)]
+    return problems
+
+
+def _torchrun_problems(root: Path, doc: dict[str, Any], docs: list[dict[str, Any]]) -> list[str]:
+    from grpo_stream.roles import config_class
+
+    pod = doc["spec"]["template"]["spec"]
+    c = next((c for c in pod.get("containers", []) if c.get("name") == "learner"), {})
+    args = [str(a) for a in c.get("args", [])]
+    if c.get("command") != ["torchrun"] or "--no-python" not in args:
+        return ["the learner container must run `torchrun [options] --no-python grpo-stream learner ...`"]
+    cut = args.index("--no-python")
+    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in args[:cut])
+    cli = args[cut + 1:]
+    problems = []
+    if cli[:2] != ["grpo-stream", "learner"] or PIPELINE_ARG not in cli:
+        problems.append(f"torchrun must start `grpo-stream learner --config=... {PIPELINE_ARG}`, got {cli[:4]}")
+    config = next((a.split("=", 1)[1] for a in cli if a.startswith("--config=")), "")
+    try:
+        cfg = load_config(config_class("learner"), root / CONFIGS_SRC / Path(config).name,
+                          [a for a in cli[2:] if not a.startswith("--")], pipeline_file=root / TOPICS_CONFIG)
+        if cfg.parallel.strategy == "none":
+            problems.append("the learner runs under torchrun: set parallel.strategy=ddp or fsdp2")
+    except (ConfigError, OSError) as exc:
+        problems.append(f"its learner config does not load: {exc}")
+    gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    if opts.get("nproc-per-node") != str(gpus):
+        problems.append(f"--nproc-per-node={opts.get('nproc-per-node')} but the container has {gpus} GPU(s)")
+    if int(opts.get("max-restarts") or 0) < 1:
+        problems.append("--max-restarts must be >= 1: a rank's death restarts the group from the last checkpoint")
+    if doc["kind"] == "Job":
+        problems += _rendezvous_problems(doc, docs, opts, cli)
+    elif "standalone" not in opts:
+        problems.append("one pod: pass --standalone (or use the multi-node Job)")
+    return problems
+
+
+def _rendezvous_problems(job: dict[str, Any], docs: list[dict[str, Any]], opts: dict[str, str],
+                         cli: list[str]) -> list[str]:
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    problems = []
+    if spec.get("completionMode") != "Indexed" or not (
+            str(spec.get("completions")) == str(spec.get("parallelism")) == opts.get("nnodes")):
+        problems.append(f"an Indexed Job with completions = parallelism = --nnodes ({opts.get('nnodes')})")
+    sub = pod.get("subdomain")
+    want = f"{job['metadata']['name']}-0.{sub}"
+    if opts.get("rdzv-backend") != "c10d" or opts.get("rdzv-endpoint", "").split(":")[0] != want:
+        problems.append(f"--rdzv-backend=c10d --rdzv-endpoint={want}:PORT (pod 0 through the subdomain)")
+    labels = job["spec"]["template"]["metadata"].get("labels", {})
+    headless = [d for d in docs if d.get("kind") == "Service" and d["metadata"]["name"] == sub
+                and d["spec"].get("clusterIP") == "None" and d["spec"].get("selector")
+                and d["spec"]["selector"].items() <= labels.items()]
+    if not headless:
+        problems.append(f"a headless Service {sub!r} (clusterIP: None) selecting the Job's pods")
+    claims = {v["name"] for v in pod.get("volumes", [])
+              if v.get("persistentVolumeClaim", {}).get("claimName") == SHARED_CLAIM}
+    shared = [m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", []) if m["name"] in claims]
+    out_dir = next((a.split("=", 1)[1] for a in cli if a.startswith("out_dir=")), "")
+    if not any(out_dir.startswith(m.rstrip("/") + "/") for m in shared):
+        problems.append(f"out_dir={out_dir!r}: every rank writes its checkpoint shards there, so it must be on the "
+                        f"shared volume ({SHARED_CLAIM}, mounted at {shared})")
+    return problems
+
+
 def render_configs_kustomization(names: Sequence[str]) -> str:
     doc = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -191,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rel in generate(args.root):
             print(f"wrote {rel}")
         return 0
-    problems = stale_files(args.root) + contract_problems(args.root)
+    problems = stale_files(args.root) + contract_problems(args.root) + parallel_problems(args.root)
     for line in problems:
         print(f"stale: {line}", file=sys.stderr)
     if problems:

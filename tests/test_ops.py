@@ -744,3 +744,45 @@ def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
         run.wait(timeout=120)
         prom.terminate()
         prom.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------ data-parallel learner
+PARALLEL_KUSTOMIZATIONS = ["overlays/multi-gpu", "overlays/multi-node"]
+
+
+@pytest.mark.parametrize("path", PARALLEL_KUSTOMIZATIONS)
+def test_parallel_learner_overlays_build_and_validate(path: str) -> None:
+    """One multi-GPU pod under torchrun, and the multi-node indexed Job with its headless rendezvous Service."""
+    import kubernetes_validate
+
+    docs = kustomize(path)
+    for version in K8S_VERSIONS:
+        for doc in docs:
+            if doc["apiVersion"] in ("v1", "apps/v1", "batch/v1", "policy/v1"):
+                kubernetes_validate.validate(doc, version, strict=True)
+    learners = [d for d in docs if d["kind"] in ("StatefulSet", "Job") and d["metadata"]["name"].startswith("learner")]
+    (learner,) = learners  # multi-node: the Job replaces the StatefulSet
+    (c,) = learner["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["torchrun"] and "--pipeline=/config/pipeline.yaml" in c["args"]
+    assert learner["kind"] == ("Job" if path.endswith("multi-node") else "StatefulSet")
+    assert not k8s.parallel_problems(ROOT)
+
+
+def test_check_validates_the_parallel_learner_manifests(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    shutil.copytree(ROOT / "ops", tmp_path / "ops")
+    assert k8s.main(["--root", str(tmp_path), "check"]) == 0
+    one, many = (tmp_path / p for p in k8s.PARALLEL_LEARNERS)
+    one.write_text(one.read_text().replace("--nproc-per-node=8", "--nproc-per-node=4")
+                   .replace("parallel.strategy=fsdp2", "parallel.strategy=none")
+                   .replace("parallel.mixed_precision=bfloat16", "parallel.mixed_precision=none"))
+    many.write_text(many.read_text().replace("learner-dist-0.learner-rdzv:29400", "learner-0.learner-rdzv:29400")
+                    .replace("out_dir=/shared/learner", "out_dir=/checkpoints")
+                    .replace("completions: 2", "completions: 3"))
+    problems = k8s.parallel_problems(tmp_path)
+    assert any("--nproc-per-node=4 but the container has 8 GPU(s)" in p for p in problems), problems
+    assert any("set parallel.strategy=ddp or fsdp2" in p for p in problems), problems
+    assert any("--rdzv-endpoint=learner-dist-0.learner-rdzv:PORT" in p for p in problems), problems
+    assert any("out_dir='/checkpoints'" in p for p in problems), problems
+    assert any("completions = parallelism = --nnodes (2)" in p for p in problems), problems
+    assert k8s.main(["--root", str(tmp_path), "check"]) == 1

@@ -6,6 +6,7 @@ The central property: a backend's behaviour logprobs equal the learner's recompu
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -386,3 +387,22 @@ def test_vllm_logprobs_at_the_sampling_temperature(vllm_backend: Backend, models
         assert learner_diff(reference, prompt_ids, result) > 100 * LOGPROB_TOL
     finally:
         tempered.close()
+
+
+def test_a_vllm_producer_shards_over_the_gpus_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensor_parallel_size reaches the engine, visible_devices its environment before it starts; pipeline stages
+    and an hf backend asked to shard are refused with what to do instead."""
+    pytest.importorskip("vllm")
+    from grpo_producers.backends.vllm import engine_kwargs
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cfg = load_config(BackendConfig, None, ["model=/m", "kind=vllm", "tensor_parallel_size=2", "visible_devices=2,3"])
+    kwargs = engine_kwargs(cfg)
+    assert kwargs["tensor_parallel_size"] == 2 and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert engine_kwargs(load_config(BackendConfig, None, ["model=/m", "kind=vllm"]))["tensor_parallel_size"] == 1
+    for bad, says in ((["kind=vllm", "pipeline_parallel_size=2"], "tensor_parallel_size instead"),
+                      (["kind=hf", "tensor_parallel_size=2"], "vllm only"),
+                      (["kind=vllm", "tensor_parallel_size=2", "visible_devices=0"], "list tensor_parallel_size"),
+                      (["kind=vllm", "tensor_parallel_size=0"], ">= 1")):
+        with pytest.raises(ConfigError, match=says):
+            load_config(BackendConfig, None, ["model=/m", *bad])

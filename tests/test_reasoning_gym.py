@@ -8,9 +8,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from grpo_stream.run import RunConfig, role_configs
 from grpo_verifiers.config import VerifierConfig
 from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm
 from grpo_verifiers.rewards.reasoning_gym_reward import extract, score
-from grpo_verifiers.service import Verifier
 
 REPO = Path(__file__).resolve().parents[1]
 MIX = "[{name: basic_arithmetic, weight: 3}, {name: leg_counting, weight: 1}]"
@@ -207,25 +205,6 @@ def test_the_shipped_gpu_config_feeds_and_scores() -> None:
 # ------------------------------------------------------------------------------------------ through the broker
 
 G = 4
-
-
-@pytest.fixture
-def running() -> Iterator[Callable[[VerifierConfig], Verifier]]:
-    """Verifiers run in threads of this process (as in test_verifier_service), stopped at the end."""
-    started: list[tuple[Verifier, threading.Thread]] = []
-
-    def start(cfg: VerifierConfig) -> Verifier:
-        v = Verifier(cfg)
-        t = threading.Thread(target=v.run, daemon=True)
-        t.start()
-        started.append((v, t))
-        return v
-
-    yield start
-    for v, t in started:
-        v.stopping = True
-        t.join(timeout=60)
-        v.close()
 
 
 def _completions(task: wire.PromptTask) -> list[wire.Completion]:

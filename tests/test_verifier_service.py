@@ -9,10 +9,9 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,6 @@ from grpo_core.kafka_io import committed_offsets, make_consumer, make_producer
 from grpo_core.stats import group_stats
 from grpo_core.topics import ensure_topics
 from grpo_verifiers.config import VerifierConfig
-from grpo_verifiers.service import Verifier
 
 G = 4
 
@@ -91,24 +89,6 @@ def read_letters(kafka_cfg: KafkaConfig, topic: str, n: int, timeout_s: float = 
                     for m in msgs]
     consumer.close()
     return letters
-
-
-@pytest.fixture
-def running() -> Iterator[Callable[[VerifierConfig], Verifier]]:
-    started: list[tuple[Verifier, threading.Thread]] = []
-
-    def start(cfg: VerifierConfig) -> Verifier:
-        v = Verifier(cfg)
-        t = threading.Thread(target=v.run, daemon=True)
-        t.start()
-        started.append((v, t))
-        return v
-
-    yield start
-    for v, t in started:
-        v.stopping = True
-        t.join(timeout=60)
-        v.close()
 
 
 def check_group(g: wire.ScoredGroup, eps: float = 1e-4) -> None:

@@ -26,14 +26,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_core import wire
 from grpo_core.config import build, read_yaml, validate_tree
 from grpo_learner.batching import collate, microbatches
 from grpo_learner.config import LearnerConfig
 from grpo_learner.logprobs import completion_logprobs
-from grpo_learner.trainer import DTYPES, StepStats, Trainer
+from grpo_learner.trainer import DTYPES, StepStats, Trainer, load_model
 from grpo_producers.backends.base import BackendConfig, SamplingConfig, make_backend
 from grpo_stream.tiny_model import build_tokenizer
 
@@ -172,14 +172,6 @@ def learner_config(plan: Plan, paper_config: Path, model_dir: Path, i: int) -> L
     return cfg
 
 
-def load_learner_model(cfg: LearnerConfig) -> torch.nn.Module:
-    # grpo_learner.service.load_model does exactly this; that module pulls in the learner's Kafka side.
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    return model.to(cfg.model.device)
-
-
 # ---- measuring ---------------------------------------------------------------------------------------------------
 def make_sync(device: str) -> Callable[..., None]:
     return (lambda *_: torch.cuda.synchronize()) if device.startswith("cuda") else (lambda *_: None)
@@ -244,7 +236,7 @@ def train_section(plan: Plan, cfg: LearnerConfig, groups: list[wire.ScoredGroup]
     warmup, timed = plan.steps[i]
     free_memory()
     sync = make_sync(plan.device)
-    model = load_learner_model(cfg)
+    model = load_model(cfg.model)
     add_sync_hooks(model, sync)
     trainer = Trainer(cfg, model)
     trainer.optimizer.register_step_post_hook(sync)  # optimizer.step()'s kernels are never read back otherwise
@@ -323,7 +315,7 @@ def generation_section(plan: Plan, cfg: LearnerConfig, rng: np.random.Generator,
 @torch.no_grad()
 def ratio_section(cfg: LearnerConfig, groups: list[wire.ScoredGroup], report: Report) -> None:
     """pi_learner / pi_behaviour on the backend's own samples, same weights: 1 up to bf16 rounding."""
-    model = load_learner_model(cfg).eval()
+    model = load_model(cfg.model).eval()
     diffs, shifted = [], []
     for mb in microbatches_of(cfg, groups):
         mb = mb.to(cfg.model.device)

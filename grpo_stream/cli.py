@@ -99,7 +99,8 @@ def _bench(args: argparse.Namespace) -> int:
         from grpo_stream.bench import async_bench
 
         return async_bench.main(budget_s=args.budget or 90.0, repeats=args.repeats or 1, target=args.target,
-                                short=args.short, out=args.out or "runs/bench-async", arms=args.arms)
+                                short=args.short, out=args.out or "runs/bench-async", arms=args.arms,
+                                task=args.task)
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -230,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="1-8", help="engine: digit counts of the copy prompts, a range (1-8) or a "
                                                    "list to draw from (1,1,2,12: a repeat is a weight)")
     b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")
+    b.add_argument("--task", default="copy_short", help="async: the multi-token synthetic family every arm learns "
+                                                         "(copy_short: 1-4 digits; copy: 1-8, the longer tail)")
     b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
     b.add_argument("--out", default=None, help="async, engine: output directory (runs/bench-async, runs/bench-engine)")
     b.add_argument("--arms", default=None, help="async: only these arms, comma-separated (S, S-hybrid, "

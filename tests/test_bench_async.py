@@ -65,3 +65,10 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
         assert len(curve) >= 2 and curve[0][0] <= 1.0, (name, curve)  # the first version, then later ones
     assert summary["arms"]["P v1 inflight"]["runs"][0]["mean_staleness"] >= 0
     assert (tmp_path / "b" / "async.png").is_file()
+
+
+def test_a_one_token_task_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="copy_short"):  # time-to-target is read off the positions reward
+        ab.main(task="last_digit", out=str(tmp_path / "b"))
+    assert ab.TASK == "copy_short" and "copy_short" in ab.base_config(
+        Path("m"), tmp_path, ab.ARMS[0], 10).feeder["synthetic"]["tasks"]

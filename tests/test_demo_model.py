@@ -102,7 +102,7 @@ def test_the_demo_flow_scores_and_warm_starts_a_multi_token_task_as_such(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A sweep or demo on ``copy`` warm-starts on the digits in some order and evaluates with the verifier's
     ``positions`` partial credit; a one-token task keeps one digit and exact match."""
-    assert dm.task_reward("copy") == dm.task_reward("copy,reverse") == "positions"
+    assert dm.task_reward("copy") == dm.task_reward("copy,reverse") == dm.task_reward("copy_short") == "positions"
     assert dm.task_reward("last_digit") == dm.task_reward("copy,last_digit") == "exact"
     assert dm.warm_recipe("reverse") == ("shuffled", 300)
     assert dm.warm_recipe("last_digit") == ("prompt_digit", dm.WARM_START_STEPS)

@@ -320,6 +320,13 @@ def test_the_multi_token_families_copy_and_reverse_digits() -> None:
             assert it.task == "positions" and it.metadata["answer"] == solve(digits)
         assert items == synthetic(tasks=[family], split="all")
         assert len(synthetic(tasks=[family], split="eval")) == 142
+    short = synthetic(tasks=["copy_short"], split="all")
+    assert Counter(len(it.metadata["answer"]) for it in short) == {1: 10, 2: 100, 3: 100, 4: 100}  # 2-5 tokens
+    assert all(it.task == "positions" and it.prompt == f"copy({it.metadata['answer']})=" for it in short)
+    # the same digit strings as copy's first four lengths, under ids of their own
+    assert {it.prompt for it in short} == {it.prompt for it in synthetic(tasks=["copy"], split="all")
+                                           if len(it.metadata["answer"]) <= 4}
+    assert len(synthetic(tasks=["copy_short"], split="eval")) == 62
 
 
 # ------------------------------------------------------------------------------------------ config, hf

@@ -191,7 +191,7 @@ def main(seconds: float = 20.0, repeats: int = 3, lengths: str = "1-8", cpu: int
     from grpo_stream.run import role_configs
 
     digits = parse_lengths(lengths)
-    model = prepare_model()
+    model = prepare_model("copy")  # the long tail: 1-8 digits
     run_cfg = base_config(model, Path(out), Arm("engine", True), seconds)
     pcfg = build(ProducerConfig, role_configs(run_cfg, "unused:9092")["producer"], "producer")
     validate_tree(pcfg)

@@ -109,6 +109,17 @@ def figure(by_arm: dict[str, list[dict[str, Any]]], target: float, path: Path) -
     plt.close(fig)
 
 
+def measures(task: str) -> str:
+    """What the table's held-out columns measure: a multi-token task's greedy reward is partial credit, while
+    Pass@1 only counts a sample with every digit right, so the two differ far more than on a one-token task."""
+    from grpo_stream.demo_model import task_reward
+
+    greedy = ("`positions` reward (partial credit per digit in place)" if task_reward(task) == "positions"
+              else "exact match")
+    return (f"Held-out: greedy decoding, mean {greedy}. Pass@1: exact match of a sampled answer at the sampling "
+            "temperature (every digit right).")
+
+
 def write(cfg: SweepConfig, runs: list[Planned]) -> tuple[Path, Path]:
     """sweep.md and sweep.png under ``cfg.out_dir`` from the finished runs (unfinished ones are left out)."""
     by_arm: dict[str, list[dict[str, Any]]] = {}
@@ -120,7 +131,7 @@ def write(cfg: SweepConfig, runs: list[Planned]) -> tuple[Path, Path]:
     md, png = out / "sweep.md", out / "sweep.png"
     missing = [f"{r.arm} seed {r.seed}" for r in runs if not r.done]
     md.write_text(f"# sweep: {cfg.base}, task {cfg.task}{', lockstep' if cfg.lockstep else ''}\n\n"
-                  + table(by_arm, cfg.target, cfg.eval.pass_k)
+                  + measures(cfg.task) + "\n\n" + table(by_arm, cfg.target, cfg.eval.pass_k)
                   + (f"\nnot finished: {', '.join(missing)}\n" if missing else ""))
     figure(by_arm, cfg.target, png)
     return md, png

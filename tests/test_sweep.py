@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from grpo_core.config import ConfigError, load_config
-from grpo_stream import sweep
+from grpo_stream import sweep, sweep_report
 from grpo_stream.sweep import SweepConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +83,8 @@ def test_a_restarted_sweep_skips_finished_runs_and_reports_every_arm(tmp_path: P
     sweep.run_sweep(cfg, emit=calls.append)
     assert sum("done before, skipped" in c for c in calls) == 4
     table = (tmp_path / "sweep" / "sweep.md").read_text()
+    assert "greedy decoding, mean exact match" in table and "Pass@1: exact match" in table
+    assert "partial credit per digit" in sweep_report.measures("copy_short")
     row = next(line for line in table.splitlines() if line.startswith("| v1-i1 "))
     # final 0.95 both seeds; best 0.95; Pass@1 0.475; seed 0 reaches 0.9 at step 4 (samples 4 steps x 64), seed 1
     # at step 6; 7 pushes; staleness 1.0 mean, p95 2; 1 dropped; 90 s

@@ -68,7 +68,10 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
 
 
 def test_a_one_token_task_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "async.json").write_text("{}")  # the last run's results
     with pytest.raises(SystemExit, match="copy_short"):  # time-to-target is read off the positions reward
         ab.main(task="last_digit", out=str(tmp_path / "b"))
+    assert (tmp_path / "b" / "async.json").is_file()
     assert ab.TASK == "copy_short" and "copy_short" in ab.base_config(
         Path("m"), tmp_path, ab.ARMS[0], 10).feeder["synthetic"]["tasks"]

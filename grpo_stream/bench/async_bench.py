@@ -12,9 +12,9 @@ Arms (``configs/bench-async.yaml`` for all of them; :data:`ARMS`):
 
 Every arm runs for the same budget, counted from its first generated token (S: the engine is up; P: the
 producer's first completion), so start-up costs (vLLM ~20 s on CPU) are left out of every arm alike. Weight
-versions are saved with their wall-clock second and evaluated afterwards (greedy, held-out ``copy`` prompts,
-mean ``positions`` reward), so evaluation never competes with an arm for the CPUs. Printed per arm:
-time-to-target and its ratio to S, reward gain per second, generated tokens/s, engine and learner busy
+versions are saved with their wall-clock second and evaluated afterwards (greedy, held-out prompts of the task,
+``copy_short`` by default, mean ``positions`` reward), so evaluation never competes with an arm for the CPUs.
+Printed per arm: time-to-target and its ratio to S, reward gain per second, generated tokens/s, engine and learner busy
 fractions, mean staleness; and the ideal ratio max(gen, train) / (gen + train) from S's own phase times.
 Written: ``async.json`` and ``async.png`` (held-out reward vs wall-clock, one line per arm).
 """
@@ -285,12 +285,12 @@ def main(budget_s: float = 90.0, repeats: int = 1, target: float = 0.6, short: b
     from grpo_producers.datasets import SYNTHETIC_REWARDS
     from grpo_stream.demo_model import multi_token, task_items
 
+    if not multi_token(task):  # refused before the last run's results are cleared
+        raise SystemExit(f"bench async --task {task}: pick a multi-token family (scored by positions): "
+                         f"{sorted(f for f, r in SYNTHETIC_REWARDS.items() if r == 'positions')}")
     chosen = pick_arms(short, arms)
     root = Path(out)
     shutil.rmtree(root, ignore_errors=True)
-    if not multi_token(task):
-        raise SystemExit(f"bench async --task {task}: pick a multi-token family (scored by positions): "
-                         f"{sorted(f for f, r in SYNTHETIC_REWARDS.items() if r == 'positions')}")
     model = prepare_model(task)
     prompts, answers = task_items(task, "eval")
     results: dict[str, list[dict[str, Any]]] = {}

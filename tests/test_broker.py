@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,6 +195,21 @@ def _produce_and_commit(bootstrap: str, n: int) -> None:
         consumer.close()
 
 
+def _group_offsets(admin: Any) -> dict[Any, Any]:
+    """The group's committed offsets. Right after a restart the broker answers CoordinatorLoadInProgress until it
+    has loaded __consumer_offsets (a CI run failed on that); a client waits for that, as the services' retry does."""
+    from kafka.errors import CoordinatorLoadInProgressError, CoordinatorNotAvailableError
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return admin.list_group_offsets({GROUP: None}).get(GROUP, {})
+        except (CoordinatorLoadInProgressError, CoordinatorNotAvailableError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _read_back(bootstrap: str) -> tuple[set[str], list[bytes], int | None]:
     from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient
@@ -202,7 +219,7 @@ def _read_back(bootstrap: str) -> tuple[set[str], list[bytes], int | None]:
         topics = set(admin.list_topics())
         committed = None
         if TOPIC in topics:
-            offsets = admin.list_group_offsets({GROUP: None}).get(GROUP, {})
+            offsets = _group_offsets(admin)
             meta = offsets.get(TopicPartition(TOPIC, 0))
             committed = meta.offset if meta is not None else None
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,17 +196,13 @@ def _produce_and_commit(bootstrap: str, n: int) -> None:
 
 def _group_offsets(admin: Any) -> dict[Any, Any]:
     """The group's committed offsets. Right after a restart the broker answers CoordinatorLoadInProgress until it
-    has loaded __consumer_offsets (a CI run failed on that); a client waits for that, as the services' retry does."""
+    has loaded __consumer_offsets (a CI run failed on that); wait for it through the services' own retry."""
     from kafka.errors import CoordinatorLoadInProgressError, CoordinatorNotAvailableError
 
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return admin.list_group_offsets({GROUP: None}).get(GROUP, {})
-        except (CoordinatorLoadInProgressError, CoordinatorNotAvailableError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    from grpo_core.retry import retry
+
+    return retry(lambda: admin.list_group_offsets({GROUP: None}).get(GROUP, {}), "group offsets", attempts=9,
+                 backoff_s=0.5, transient=(CoordinatorLoadInProgressError, CoordinatorNotAvailableError))
 
 
 def _read_back(bootstrap: str) -> tuple[set[str], list[bytes], int | None]:

@@ -67,7 +67,7 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
     assert all(field in out for field in ab.FIELDS) and "best pipeline ratio to S" in out
     summary = json.loads((tmp_path / "b" / "async.json").read_text())
     assert set(summary["arms"]) == {"S", "P v1 inflight"}
-    assert summary["arms"]["S"]["runs"][0]["steps"] >= 1
+    assert summary["arms"]["S"]["runs"][0]["steps"] >= 1 and summary["sync_warmup_s"] > 0  # S's untimed batch
     assert summary["sync_gen_s"] > 0 and summary["sync_train_s"] > 0 and 0.5 <= summary["ideal_ratio"] < 1
     for name, arm in summary["arms"].items():
         row = arm["runs"][0]

@@ -255,7 +255,9 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {_fmt(ideal)}; "
           f"gap {_fmt(None if best is None or ideal is None else best / ideal)} (target <= 1.15)")
     sensitivity = ratios_by_target(results, sorted({round(target + d, 2) for d in (-0.1, -0.05, 0.0, 0.05, 0.1)}))
+    warmup = statistics.fmean(r.get("warmup_s", 0.0) for r in s_runs) if s_runs else None  # outside S's clock
     summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
+               "sync_warmup_s": warmup,
                "best_pipeline_ratio": best, "arms": table, "ratio_by_target": sensitivity,
                "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
     (out / "async.json").write_text(json.dumps(summary, indent=2))

@@ -233,7 +233,7 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     gen = statistics.fmean(r["gen_s"] for r in s_runs) if s_runs else None
     train = statistics.fmean(r["train_s"] for r in s_runs) if s_runs else None
     ideal = max(gen, train) / (gen + train) if gen is not None and train is not None else None
-    sync_ttt = statistics.median([t for t in (time_to(r["curve"], target) for r in s_runs) if t is not None] or [0])
+    sync_ttt = sync_time_to(results, target)
     table: dict[str, Any] = {}
     if gen is not None and train is not None:
         print(f"target held-out reward {target}; S: gen {gen:.1f}s + train {train:.1f}s -> ideal ratio "
@@ -242,7 +242,7 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
         print(f"target held-out reward {target}; no arm S in this run: no ratios to S, no ideal ratio")
     print(f"{'arm':<15} " + " ".join(f"{f:>17}" for f in FIELDS))
     for name, runs in results.items():
-        rows = [arm_row(r, target, sync_ttt or None) for r in runs]
+        rows = [arm_row(r, target, sync_ttt) for r in runs]
         table[name] = {"runs": rows, "median": {f: _median([row[f] for row in rows]) for f in FIELDS},
                        "min": {f: _pick(min, [row[f] for row in rows]) for f in FIELDS},
                        "max": {f: _pick(max, [row[f] for row in rows]) for f in FIELDS}}
@@ -265,12 +265,18 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     return summary
 
 
+def sync_time_to(results: dict[str, list[dict[str, Any]]], target: float) -> float | None:
+    """S's median time to ``target`` over the runs that reached it: what every ratio divides by (None: no S run
+    reached it, or no S run)."""
+    return _median([time_to(r["curve"], target) for r in results.get("S", [])])
+
+
 def ratios_by_target(results: dict[str, list[dict[str, Any]]], targets: list[float]) -> dict[str, dict[str, Any]]:
     """Median ratio to S of every pipeline arm at targets around the chosen one, printed as a table: a conclusion
     that holds at one target only is an artefact of where the target fell on a noisy curve."""
     table: dict[str, dict[str, Any]] = {}
     for target in targets:
-        sync = _median([time_to(r["curve"], target) for r in results.get("S", [])])
+        sync = sync_time_to(results, target)
         table[f"{target:.2f}"] = {name: _median([None if t is None or not sync else t / sync for t in
                                                  (time_to(r["curve"], target) for r in runs)])
                                   for name, runs in results.items() if name.startswith("P")}

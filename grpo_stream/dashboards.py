@@ -78,6 +78,8 @@ def training(L: Names) -> Dashboard:
         Panel("KL to reference (k3)", [(g("kl"), "kl")]),
         Panel("Clip fractions", [(g("clip_frac_low"), "low"), (g("clip_frac_high"), "high")], "percentunit"),
         Panel("Entropy", [(g("entropy"), "entropy")]),
+        Panel("Groups without signal (all G rewards equal)", [(g("zero_variance_fraction"), "share of groups")],
+              "percentunit"),
         Panel("Importance ratio", [(g("ratio_mean"), "mean"), (g("ratio_max"), "max")]),
         Panel("Gradient norm", [(g("grad_norm"), "grad norm")]),
         Panel("Learning rate", [(g("lr"), "lr")]),

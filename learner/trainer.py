@@ -98,9 +98,9 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self._prepare(groups)
         stats.tokens = int(batch.num_tokens)  # tokens processed (throughput), before eq. 8 masks any
+        flat = torch.tensor([is_zero_variance(g.rewards) for g in groups], dtype=torch.bool)
         if self.cfg.advantages.zero_variance == "mask":
             # Eq. 8 masks the whole per-prompt term, the KL included: zero-variance groups lose their tokens.
-            flat = torch.tensor([is_zero_variance(g.rewards) for g in groups], dtype=torch.bool)
             batch.completion_mask[flat[batch.group_index]] = 0.0
         if self.env is None:
             micro = microbatches(batch, self.cfg.micro_batch_tokens)
@@ -112,6 +112,9 @@ class Trainer:
         self._train(shard, stats)
         stats.metrics["reward_mean"] = float(sum(sum(g.rewards) for g in groups) / sum(len(g.rewards) for g in groups))
         stats.metrics["reward_std"] = population_std([r for g in groups for r in g.rewards])
+        # Groups whose G rewards are all equal teach nothing (zero advantages): a policy that has collapsed onto
+        # one answer per prompt shows here before its reward stops rising.
+        stats.metrics["zero_variance_fraction"] = float(flat.float().mean()) if groups else 0.0
         stats.metrics["lr"] = self.scheduler.get_last_lr()[0]
         return stats
 

@@ -3,6 +3,7 @@ and a non-finite step is skipped, never applied."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +121,17 @@ def test_reference_and_proximal_passes_and_grad_accumulation(model_dir: Path) ->
         assert stats.metrics["kl"] == pytest.approx(0.0, abs=1e-9)  # pi == pi_ref before the first update
         assert 0.0 <= stats.metrics["entropy"] <= np.log(320) + 1e-3
     assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+
+
+def test_the_share_of_zero_variance_groups_is_reported(model_dir: Path) -> None:
+    """Groups whose G rewards are all equal carry no advantage; the step reports their share (a collapsing
+    policy shows there first), whichever way ``advantages.zero_variance`` treats them."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    groups = sample_groups(model, tok, 0, seed=4)
+    flat = [dataclasses.replace(groups[0], rewards=[1.0] * G), dataclasses.replace(groups[1], rewards=[0.0] * G)]
+    batch = flat + groups[2:4]
+    assert not any(len(set(g.rewards)) == 1 for g in groups[2:4])
+    for mode in ("mask", "keep"):
+        stats = Trainer(_cfg(model_dir, f"advantages.zero_variance={mode}"), model).train_step(batch)
+        assert stats.metrics["zero_variance_fraction"] == pytest.approx(2 / 4), mode

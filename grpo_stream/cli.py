@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
     b.add_argument("--out", default=None, help="async, engine: output directory (runs/bench-async, runs/bench-engine)")
     b.add_argument("--arms", default=None, help="async: only these arms, comma-separated (S, S-hybrid, "
-                                                "P-v1-between, P-v1-inflight, P-v4-between, P-v4-inflight)")
+                                                "P-v1-between, P-v1-inflight, P-v4-between, P-v4-inflight; "
+                                                "S-lag2 only when named)")
     b.set_defaults(fn=_bench)
 
     r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")

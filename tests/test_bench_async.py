@@ -34,8 +34,23 @@ def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsy
     assert by_target["0.65"]["P v1 inflight"] is None  # 0.8 at the last point only: unconfirmed
     out = capsys.readouterr().out
     assert all(field in out for field in ab.FIELDS) and "ideal ratio 0.600" in out and "min/max" in out
+    assert all(key in out for key in ab.DYNAMICS) and set(summary["dynamics"]) == set(results)
     assert json.loads((tmp_path / "async.json").read_text())["target"] == 0.6
     assert (tmp_path / "async.png").stat().st_size > 1000
+
+
+def test_the_learner_metrics_of_an_arm_are_averaged_over_its_first_steps_and_all() -> None:
+    steps = [{"step": i, "entropy": 1.0 if i <= ab.EARLY_STEPS else 0.5, "zero_variance_fraction": 0.25}
+             for i in range(1, 2 * ab.EARLY_STEPS + 1)]
+    d = ab.dynamics(steps)
+    assert d["entropy_early"] == pytest.approx(1.0) and d["entropy_all"] == pytest.approx(0.75)
+    assert d["zero_variance_fraction_all"] == pytest.approx(0.25)
+    assert d["clip_frac_low_early"] is None  # a metric the steps do not carry
+    runs = {"S": [fake([(0, 0.3)]) | {"dynamics": d}, fake([(0, 0.3)]) | {"dynamics": ab.dynamics(steps[:5])}],
+            "P v1 inflight": [fake([(0, 0.3)])]}  # results written before the dynamics: none
+    table = ab.dynamics_table(runs)
+    assert table["S"]["entropy_all"] == pytest.approx((0.75 + 1.0) / 2)  # the median of the two repeats
+    assert table["P v1 inflight"]["entropy_all"] is None
 
 
 def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
@@ -77,6 +92,9 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
         curve = summary["curves"][name][0]
         assert len(curve) >= 2 and curve[0][0] <= 1.0, (name, curve)  # the first version, then later ones
         assert curve[0][2] == 0 and 1 <= curve[-1][2] <= row["steps"] + 1, (name, curve)  # each point's step
+        dyn = summary["dynamics"][name]  # the learner's own per-step metrics, from both kinds of arm
+        assert dyn["entropy_all"] > 0 and 0 <= dyn["zero_variance_fraction_all"] <= 1, (name, dyn)
+        assert 0 <= dyn["reward_mean_early"] <= 1, (name, dyn)
     assert summary["arms"]["P v1 inflight"]["runs"][0]["mean_staleness"] >= 0
     assert (tmp_path / "b" / "async.png").is_file()
 
@@ -89,3 +107,55 @@ def test_a_one_token_task_is_refused_before_anything_runs(tmp_path: Path) -> Non
     assert (tmp_path / "b" / "async.json").is_file()
     assert ab.TASK == "copy_short" and "copy_short" in ab.base_config(
         Path("m"), tmp_path, ab.ARMS[0], 10).feeder["synthetic"]["tasks"]
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_generated_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lag: int) -> None:
+    """S (lag 0) and S-lag2's loop with a stand-in engine and the real trainer on the tiny model: step k trains the
+    batch generated under the weights of step k - lag (the first steps: the warm start's), and says so."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from grpo_core.config import build
+    from grpo_learner.config import LearnerConfig
+    from grpo_producers.backends.base import Sample
+    from grpo_producers.config import ProducerConfig
+    from grpo_stream.bench import async_sync
+    from grpo_stream.run import role_configs
+    from grpo_stream.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m")
+    tok = AutoTokenizer.from_pretrained(model)
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
+    roles = role_configs(ab.base_config(model, tmp_path / "o", ab.EXTRA_ARMS[0], 2.0), "unused:9092")
+
+    class Engine:  # each batch's logprobs say how many weight loads it was generated after
+        loads = 0
+
+        def generate(self, prompts: list, g: int, sampling: object) -> list:
+            rng = np.random.default_rng(self.loads)
+            samples = [np.asarray([*rng.choice(digits, int(rng.integers(1, 4))), tok.eos_token_id], np.int32)
+                       for _ in range(len(prompts) * g)]
+            stamp = -0.01 * (self.loads + 1)
+            return [[Sample(t, np.full(len(t), stamp, np.float32), "stop", "") for t in samples[i * g:(i + 1) * g]]
+                    for i in range(len(prompts))]
+
+        def load_weights(self, path: Path) -> Path:
+            self.loads += 1
+            return path
+
+    trained: list[tuple[int, int]] = []  # (policy version on the groups, weight loads behind their samples)
+
+    class Recording(async_sync.Trainer):
+        def train_step(self, groups: list) -> object:
+            c = groups[0].completions[0]
+            trained.append((groups[0].policy_version, round(-float(c.behaviour_logprobs[0]) / 0.01) - 1))
+            return super().train_step(groups)
+
+    pcfg, lcfg = build(ProducerConfig, roles["producer"], "producer"), build(LearnerConfig, roles["learner"], "learner")
+    monkeypatch.setattr(async_sync, "Trainer", Recording)
+    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag)
+    assert res.steps == len(trained) == len(res.step_metrics) >= 3
+    # the warm-up loaded the weights once: step k's batch came after 1 + max(0, k - lag) loads, labelled as such
+    assert trained == [(max(0, k - lag), 1 + max(0, k - lag)) for k in range(len(trained))]

@@ -6,6 +6,8 @@ Arms (``configs/bench-async.yaml`` for all of them; :data:`ARMS`):
   generation on CPU 0, learning on CPU 1 -- the disaggregated setting of the paper (one serving GPU beside the
   training GPUs), where one device idles while the other works.
 * ``S-hybrid``: the same loop with both CPUs for both phases (the "hybrid engine" setting).
+* ``S-lag2`` (only when named in ``--arms``): S's loop training each step on the batch generated two versions
+  earlier -- the pipeline's staleness without the pipeline, to tell what staleness alone does to learning per step.
 * ``P v{1,4} {between,inflight}``: the real pipeline (broker, feeder, producer, verifier, learner as processes
   under the run supervisor), producer pinned to CPU 0 and learner to CPU 1, v = publish_every, weights swapped
   between batches or in flight.
@@ -45,6 +47,10 @@ TASK = "copy_short"
 # Evaluated versions per arm, evenly spaced in time: the task rises within 15-30 s of a 75 s budget, so 12 points
 # (~7 s apart) read time-to-target to about half of itself; 60 read it to ~1.3 s, at ~0.15 s per evaluation.
 EVAL_POINTS = 60
+# The learner metrics averaged per arm (`dynamics`), over its first EARLY_STEPS steps and over all: the pipeline
+# arms gained more held-out reward per learner step than S; these say what differed in the batches and the policy.
+DYNAMICS = ("entropy", "zero_variance_fraction", "clip_frac_low", "clip_frac_high", "reward_mean")
+EARLY_STEPS = 30
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Arm:
     v: int = 1
     swap: str = "inflight"
     hybrid: bool = False
+    lag: int = 0  # S only: train on the batch generated this many versions earlier (async_sync.run_sync)
 
     @property
     def slug(self) -> str:
@@ -65,6 +72,8 @@ ARMS = [Arm("S", False), Arm("S-hybrid", False, hybrid=True),
         Arm("P v1 between", True, 1, "between_batches"), Arm("P v1 inflight", True, 1, "inflight"),
         Arm("P v4 between", True, 4, "between_batches"), Arm("P v4 inflight", True, 4, "inflight")]
 SHORT_ARMS = [ARMS[0], ARMS[3]]
+# Run only when named (--arms): S's loop with the pipeline's staleness (P v1's is ~2) and none of its machinery.
+EXTRA_ARMS = [Arm("S-lag2", False, lag=2)]
 
 
 def prepare_model(task: str = TASK) -> Path:
@@ -98,10 +107,10 @@ def run_sync_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: str) -
 
     cfg = base_config(model, out, arm, budget_s, task)
     cpus = ({0, 1}, {0, 1}) if arm.hybrid else ({0}, {1})
-    res = run_sync(role_configs(cfg, "unused:9092"), [task], budget_s, out, *cpus)
+    res = run_sync(role_configs(cfg, "unused:9092"), [task], budget_s, out, *cpus, lag=arm.lag)
     return {"wall_s": res.wall_s, "gen_s": res.gen_s, "train_s": res.train_s, "steps": res.steps,
             "tokens": res.tokens, "engine_busy": res.gen_s / res.wall_s, "learner_busy": res.train_s / res.wall_s,
-            "mean_staleness": 0.0, "warmup_s": res.warmup_s,
+            "mean_staleness": float(arm.lag), "warmup_s": res.warmup_s, "dynamics": dynamics(res.step_metrics),
             "points": [(t, step, str(p)) for t, step, p in res.snapshots]}
 
 
@@ -159,7 +168,20 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
             "engine_busy": min(1.0, gen / wall), "learner_busy": min(1.0, busy / wall),
             "mean_staleness": statistics.fmean(trained) if trained else 0.0,
             "aborted_stale": since_t0("aborted_stale_total"),
+            "dynamics": dynamics(sorted(inside, key=lambda m: m["step"])),
             "points": [(max(0.0, t), step, str(d)) for t, step, d in versions if t <= wall]}
+
+
+def dynamics(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Means of the learner's per-step metrics (:data:`DYNAMICS`, ``steps`` in step order) over the first
+    :data:`EARLY_STEPS` steps -- the rise, where the arms' rewards per step part -- and over all of them, keyed
+    ``<metric>_early`` / ``<metric>_all``: what the policy and its batches looked like, step for step."""
+    out: dict[str, float | None] = {}
+    for window, rows in (("early", steps[:EARLY_STEPS]), ("all", steps)):
+        for key in DYNAMICS:
+            values = [float(r[key]) for r in rows if r.get(key) is not None]
+            out[f"{key}_{window}"] = statistics.fmean(values) if values else None
+    return out
 
 
 # ------------------------------------------------------------------------------------------ evaluation
@@ -259,6 +281,7 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
                "sync_warmup_s": warmup,
                "best_pipeline_ratio": best, "arms": table, "ratio_by_target": sensitivity,
+               "dynamics": dynamics_table(results),
                "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
     (out / "async.json").write_text(json.dumps(summary, indent=2))
     _plot(results, target, out / "async.png")
@@ -283,6 +306,19 @@ def ratios_by_target(results: dict[str, list[dict[str, Any]]], targets: list[flo
     names = sorted({n for row in table.values() for n in row})
     print("median ratio to S by target: " + " | ".join(
         f"{t}: " + ", ".join(f"{n} {_fmt(row[n])}" for n in names) for t, row in table.items()))
+    return table
+
+
+def dynamics_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each arm's :func:`dynamics`, median over its repeats, printed a line per arm (early | all)."""
+    keys = [f"{k}_{w}" for w in ("early", "all") for k in DYNAMICS]
+    table = {name: {k: _median([r.get("dynamics", {}).get(k) for r in runs]) for k in keys}
+             for name, runs in results.items()}
+    print(f"learner metrics, mean per step over the first {EARLY_STEPS} steps | all steps (median of repeats):")
+    print(f"{'arm':<15} " + " ".join(f"{k:>23}" for k in DYNAMICS))
+    for name, row in table.items():
+        print(f"{name:<15} " + " ".join(f"{_fmt(row[k + '_early']) + ' | ' + _fmt(row[k + '_all']):>23}"
+                                        for k in DYNAMICS))
     return table
 
 
@@ -319,11 +355,12 @@ def pick_arms(short: bool, names: str | None) -> list[Arm]:
     """The arms to run: ``--short``'s two, or those named (names or slugs, comma-separated), or all."""
     if not names:
         return SHORT_ARMS if short else ARMS
-    by_key = {k.lower(): arm for arm in ARMS for k in (arm.name, arm.slug)}
+    by_key = {k.lower(): arm for arm in ARMS + EXTRA_ARMS for k in (arm.name, arm.slug)}
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n.lower() not in by_key]
     if unknown:
-        raise SystemExit(f"bench async --arms: unknown arm(s) {unknown}; known: {[a.slug for a in ARMS]}")
+        raise SystemExit(f"bench async --arms: unknown arm(s) {unknown}; "
+                         f"known: {[a.slug for a in ARMS + EXTRA_ARMS]}")
     return [by_key[n.lower()] for n in wanted]
 
 

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ from grpo_verifiers.rewards.builtins import positions
 
 @dataclass
 class SyncRun:
-    """What arm S measured: phase times, tokens, and weight snapshots (wall-clock second, step, directory)."""
+    """What arm S measured: phase times, tokens, weight snapshots (wall-clock second, step, directory) and the
+    learner's metrics of every step."""
 
     wall_s: float = 0.0
     warmup_s: float = 0.0  # the untimed first batch (kernels compiled on first use), before the clock starts
@@ -47,11 +49,16 @@ class SyncRun:
     steps: int = 0
     tokens: int = 0
     snapshots: list[tuple[float, int, Path]] = field(default_factory=list)
+    step_metrics: list[dict[str, float]] = field(default_factory=list)  # each step's learner metrics, in order
 
 
 def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float, out: Path,
-             gen_cpus: set[int], train_cpus: set[int], snapshots: int = 80) -> SyncRun:
-    """Run arm S for ``budget_s`` from the resolved role configs of the run (``run.role_configs``)."""
+             gen_cpus: set[int], train_cpus: set[int], snapshots: int = 80, lag: int = 0) -> SyncRun:
+    """Run arm S for ``budget_s`` from the resolved role configs of the run (``run.role_configs``).
+
+    ``lag`` > 0 trains each step on the batch generated ``lag`` versions earlier (the first ``lag`` batches wait):
+    the staleness a pipeline has, without the pipeline. Nothing overlaps, so it is no faster per step than S; it
+    tells whether learning per step changes with staleness itself or with something else the pipeline does."""
     from grpo_producers.backends.base import make_backend
 
     pcfg = build(ProducerConfig, roles["producer"], "producer")
@@ -64,13 +71,13 @@ def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float
     os.sched_setaffinity(0, train_cpus)
     torch.set_num_threads(len(train_cpus))
     try:
-        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots)
+        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag)
     finally:
         engine.close()
 
 
 def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[str], budget_s: float, out: Path,
-          snapshots: int) -> SyncRun:
+          snapshots: int, lag: int) -> SyncRun:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pcfg.backend.tokenizer or pcfg.backend.model)
@@ -81,6 +88,7 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
     order, rng, res = list(range(len(prompts))), random.Random(lcfg.seed), SyncRun()
     weights_dir = out / "weights"
     res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
+    generated: deque[tuple[list[int], list[Any], int]] = deque()  # (prompts, samples, version), oldest first
     start = time.perf_counter()
     res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
     while time.perf_counter() - start < budget_s:
@@ -89,17 +97,20 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
         rng.shuffle(order)
         picks, order = order[:b], order[b:]
         t0 = time.perf_counter()
-        samples = engine.generate([ids[i] for i in picks], g, sampling)
+        generated.append((picks, engine.generate([ids[i] for i in picks], g, sampling), res.steps))
         res.gen_s += time.perf_counter() - t0
+        res.tokens += sum(len(x.token_ids) for group in generated[-1][1] for x in group)
+        if len(generated) <= lag:  # lag > 0: the first batches wait until they are `lag` versions old
+            continue
+        picks, samples, version = generated.popleft()
         t0 = time.perf_counter()
-        groups = [_group(f"s{res.steps}-{i}", ids[i], answers[i], s, tok, pcfg, res.steps)
+        groups = [_group(f"s{res.steps}-{i}", ids[i], answers[i], s, tok, pcfg, version)
                   for i, s in zip(picks, samples, strict=True)]
-        trainer.train_step(groups)
+        res.step_metrics.append(trainer.train_step(groups).metrics)
         _save(trainer.model, weights_dir)
         engine.load_weights(weights_dir)
         res.train_s += time.perf_counter() - t0
         res.steps += 1
-        res.tokens += sum(len(x.token_ids) for group in samples for x in group)
         now = time.perf_counter() - start
         if now >= len(res.snapshots) * budget_s / snapshots:
             res.snapshots.append((now, res.steps, _snapshot(trainer.model, out / "snapshots" / f"s{res.steps:04d}")))

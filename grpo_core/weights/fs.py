@@ -64,9 +64,9 @@ class FsStore:
             digest, size = "", 0
             for name, src in files.items():
                 hasher = hashlib.sha256()
-                fin, _ = open_source(src)
+                fin, expected = open_source(src)
                 with fin, self._open_for_writing(run_dir, tmp / name, name == MODEL_FILE) as fout:
-                    n = pump(fin, hasher, fout)
+                    n = pump(fin, hasher, fout, expected)
                     fout.truncate(n)
                     os.fsync(fout.fileno())
                 if name == MODEL_FILE:
@@ -117,7 +117,7 @@ class FsStore:
                 if st.st_size != ann.size_bytes:
                     raise Transient(f"size mismatch: {path} has {st.st_size} bytes, announced {ann.size_bytes}")
                 hasher = hashlib.sha256()
-                pump(f, hasher)
+                pump(f, hasher, size=st.st_size)
             now = os.stat(path)
         except FileNotFoundError:
             raise Transient(f"missing: {path} does not exist (garbage-collected, or not yet visible on this "

@@ -71,3 +71,16 @@ def tensors_payload(tensors: dict[str, torch.Tensor]) -> Payload:
 def config_payload(model: torch.nn.Module) -> Payload:
     """``config.json`` as ``save_pretrained`` writes it."""
     return Payload.of_bytes(model.config.to_json_string(use_diff=True).encode())  # type: ignore[union-attr]
+
+
+def metadata_payloads(model: torch.nn.Module) -> dict[str, Payload]:
+    """``config.json`` and, for a model that generates, ``generation_config.json``, as ``save_pretrained`` writes
+    them. Made once per process and reused (payloads of bytes can be read any number of times): the model's
+    configuration does not change while it trains, and rendering it costs ~7 ms per file, a sixth of a small
+    model's publish."""
+    files = {"config.json": config_payload(model)}
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and getattr(model, "can_generate", lambda: False)():
+        files["generation_config.json"] = Payload.of_bytes(gen.to_json_string(use_diff=True).encode())
+    return files
+

@@ -30,7 +30,7 @@ from grpo_learner.config import LearnerConfig
 from grpo_learner.lineage import Lineage
 from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.parallel import Env
-from grpo_learner.publish import config_payload, safetensors_payload, tensors_payload
+from grpo_learner.publish import metadata_payloads, safetensors_payload, tensors_payload
 from grpo_learner.ranks import Command, Leader, follow
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
 from grpo_learner.trainer import StepStats, Trainer, load_model
@@ -75,6 +75,7 @@ class Learner:
         else:  # the sharded checkpoint is loaded into the wrapped model by restore()
             model = load_model(cfg.model, device=env.device)
         self.trainer = Trainer(cfg, model, env)
+        self.model_files = metadata_payloads(model)  # config.json & co., rendered once for every save/publish
         self.leader = Leader(env, cfg.parallel.timeout_s) if env is not None else None
         self.step = 0
         trackers = Trackers(cfg.report_to, self.out, cfg.pipeline.run, "learner", to_dict(cfg)) if cfg.report_to \
@@ -242,7 +243,8 @@ class Learner:
         root, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
         if self.env is None:
             state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
-            path = checkpoint.save(root, self.step, {"model": self.trainer.model}, state, meta, keep=keep)
+            files = {MODEL_FILE: safetensors_payload(self.trainer.model), **self.model_files}
+            path = checkpoint.save(root, self.step, {"model": files}, state, meta, keep=keep)
         else:
             self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
             saved = dist_checkpoint.save(root, self.step, self.trainer, self.env, {"seen": list(self.source.seen)},
@@ -256,13 +258,12 @@ class Learner:
         """Write the current weights to the store and announce them as version = the current step."""
         t0 = time.perf_counter()
         # Serialised straight into the store, hashed as it is written: no temporary file to copy (publish.py).
-        model = self.trainer.model
         if self.env is None:
-            weights = safetensors_payload(model)
+            weights = safetensors_payload(self.trainer.model)
         else:  # the other ranks join the gather (FSDP2) and wait for the next command
             self._tell(Command.PUBLISH)
             weights = tensors_payload(self.trainer.full_weights())
-        ann = self.publisher.publish(self.step, {MODEL_FILE: weights, "config.json": config_payload(model)})
+        ann = self.publisher.publish(self.step, {MODEL_FILE: weights, "config.json": self.model_files["config.json"]})
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)

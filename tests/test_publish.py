@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from grpo_core.config import KafkaConfig
 from grpo_core.weights import MODEL_FILE, FsStoreConfig, Payload, WeightPublisher, WeightStoreConfig
 from grpo_core.weights.payload import open_source
-from grpo_learner.publish import config_payload, safetensors_payload
+from grpo_learner import checkpoint
+from grpo_learner.publish import config_payload, metadata_payloads, safetensors_payload
 from grpo_stream.tiny_model import build_tiny_model
 
 
@@ -72,3 +73,27 @@ def test_a_payload_that_does_not_match_its_size_is_refused() -> None:
         f, _ = open_source(Payload(5, lambda b=blocks: b))
         with pytest.raises(OSError, match="announced 5"):
             f.read()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checkpoint_model_directory_is_what_save_pretrained_writes(tiny: Path, dtype: torch.dtype,
+                                                                      tmp_path: Path) -> None:
+    """The learner checkpoints from the same payloads it publishes, with config.json and generation_config.json
+    rendered once (``metadata_payloads``), not through ``save_pretrained`` at every publish: the directory must
+    still be the one ``save_pretrained`` writes, file for file and byte for byte, and load as the model."""
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=dtype)
+    with torch.no_grad():
+        next(m.parameters()).add_(0.25)
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    meta = metadata_payloads(m)
+    path = checkpoint.save(tmp_path / "ck", 3, {"model": {MODEL_FILE: safetensors_payload(m), **meta}}, {}, {})
+    ours, theirs = path / "model", tmp_path / "hf"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for f in theirs.iterdir():
+        assert (ours / f.name).read_bytes() == f.read_bytes(), f.name
+    loaded = AutoModelForCausalLM.from_pretrained(ours, dtype=dtype)
+    for (name, a), b in zip(m.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    # Rendered once, read at every checkpoint and publish: a payload of bytes reads the same each time.
+    assert payload_bytes(meta["config.json"]) == payload_bytes(meta["config.json"]) == (theirs / "config.json"
+                                                                                         ).read_bytes()

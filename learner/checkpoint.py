@@ -67,8 +67,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(root: Path, step: int, models: dict[str, dict[str, Payload]], trainer_state: dict[str, Any],
          meta: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` atomically; ``models`` maps a subdirectory name to the files of a HF model
-    directory (``grpo_learner.publish.model_payloads``: what ``save_pretrained`` writes, one safetensors file
-    rather than shards, without its ~25 ms of per-call overhead that a checkpoint at every publish would pay)."""
+    directory (``grpo_learner.publish``'s ``safetensors_payload`` and ``metadata_payloads``: what
+    ``save_pretrained`` writes, one safetensors file rather than shards -- the same file serves the vLLM in-place
+    reload and fast restore -- without its ~25 ms of per-call overhead, paid at every publish otherwise)."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)

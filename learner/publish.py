@@ -83,4 +83,3 @@ def metadata_payloads(model: torch.nn.Module) -> dict[str, Payload]:
     if gen is not None and getattr(model, "can_generate", lambda: False)():
         files["generation_config.json"] = Payload.of_bytes(gen.to_json_string(use_diff=True).encode())
     return files
-

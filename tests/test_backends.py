@@ -390,9 +390,11 @@ def test_vllm_logprobs_at_the_sampling_temperature(vllm_backend: Backend, models
         tempered.close()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
+class LogRecords(logging.Handler):
+    """The messages of the records a logger hands it (vLLM's loggers do not propagate to pytest's caplog)."""
+
+    def __init__(self, level: int = logging.DEBUG) -> None:
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -424,7 +426,7 @@ def test_a_reload_warns_only_of_layers_that_should_have_had_weights(tied: bool) 
             for layer in ("RotaryEmbedding", "ParallelLMHead", "QKVParallelLinear"):
                 layerwise.logger.warning(NOT_LOADED, layer)
 
-    seen = _Records()
+    seen = LogRecords()
     layerwise.logger.addHandler(seen)
     try:
         Worker().grpo_reload_weights("/unused")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_backends import LOGPROB_TOL, PROMPTS, check_samples, weights_only_dir
+from test_backends import LOGPROB_TOL, PROMPTS, LogRecords, check_samples, weights_only_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_producers.backends import BackendConfig, SamplingConfig, make_backend
@@ -148,23 +148,13 @@ def test_the_batch_interface_on_the_same_engine(engine: AsyncVLLMEngine, models:
         engine.submit("bad", [], 2, sampling, version=0)
 
 
-class _Errors(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_closing_the_engine_logs_no_error(engine: AsyncVLLMEngine) -> None:
     """The module's last test: it closes the shared engine. A clean stop used to log vLLM's "AsyncLLM
     output_handler failed" with an EngineDeadError traceback: ``AsyncLLM.shutdown`` stops the engine core while
     its output handler still waits on it. An operator reading a producer's log after every restart would take
     that for a crash. Whether the traceback is printed is a race, so the test checks its cause: the handler has
-    ended before the core is stopped. vLLM's loggers do not propagate to the root logger, so the error handler
-    goes on theirs."""
-    errors = _Errors()
+    ended before the core is stopped."""
+    errors = LogRecords(logging.ERROR)
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(errors)
     llm = engine.engine

@@ -234,9 +234,12 @@ class AsyncVLLMEngine:
             self.abort(key)
         # AsyncLLM.shutdown stops the engine core before it cancels its output handler, which is then waiting
         # on the core: it fails with EngineDeadError and logs an ERROR traceback at every clean stop. Cancelled
-        # first, it ends quietly.
-        self._call(_cancel(engine.output_handler), _SHUTDOWN_TIMEOUT_S)
-        engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        # first, it ends quietly. A loop too wedged to cancel it within the timeout must not keep the engine's
+        # processes alive: shut down regardless.
+        try:
+            self._call(_cancel(getattr(engine, "output_handler", None)), _SHUTDOWN_TIMEOUT_S)
+        finally:
+            engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(_SHUTDOWN_TIMEOUT_S)
 

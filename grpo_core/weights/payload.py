@@ -30,13 +30,24 @@ class Payload:
     def of_bytes(data: bytes) -> Payload:
         return Payload(len(data), lambda: (data,))
 
+    def checked_blocks(self) -> Iterator[Block]:
+        """``blocks()``, raising OSError once they run past ``size`` or end short of it: a serialiser bug fails
+        the write instead of leaving a file of another size than announced (stores and checkpoints alike)."""
+        done = 0
+        for block in self.blocks():
+            done += memoryview(block).nbytes
+            if done > self.size:
+                raise OSError(f"payload produced {done} bytes, announced {self.size}")
+            yield block
+        if done != self.size:
+            raise OSError(f"payload produced {done} bytes, announced {self.size}")
+
 
 class _BlockReader(io.RawIOBase):
-    """A readable stream over a payload's blocks; refuses to end early or run long (the size is announced)."""
+    """A readable stream over a payload's blocks; refuses to end early or run long (``checked_blocks``)."""
 
     def __init__(self, payload: Payload) -> None:
-        self.payload, self.done = payload, 0
-        self._blocks: Iterator[Block] = iter(payload.blocks())
+        self._blocks: Iterator[Block] = payload.checked_blocks()
         self._view = memoryview(b"")
 
     def readable(self) -> bool:
@@ -54,9 +65,6 @@ class _BlockReader(io.RawIOBase):
             k = min(len(out) - n, len(self._view))
             out[n:n + k] = self._view[:k]
             self._view, n = self._view[k:], n + k
-        self.done += n
-        if self.done > self.payload.size or (n == 0 and self.done != self.payload.size and len(out)):
-            raise OSError(f"payload produced {self.done} bytes, announced {self.payload.size}")
         return n
 
 

@@ -8,6 +8,7 @@ boundaries and labels are vLLM's own weight-version spans (the swap labels the p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -177,3 +178,6 @@ def test_closing_the_engine_logs_no_error(engine: AsyncVLLMEngine) -> None:
     assert llm.output_handler.cancelled()
     assert errors.messages == []
     assert not engine._thread.is_alive()
+    # vLLM's shutdown cancels its client's socket tasks through the loop; a loop stopped before they have ended
+    # leaves them pending, and their garbage collection logs asyncio's "Task was destroyed but it is pending!".
+    assert [t.get_name() for t in asyncio.all_tasks(engine._loop)] == []

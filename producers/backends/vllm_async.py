@@ -240,6 +240,11 @@ class AsyncVLLMEngine:
             self._call(_cancel(getattr(engine, "output_handler", None)), _SHUTDOWN_TIMEOUT_S)
         finally:
             engine.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        # The shutdown asks the loop to cancel the client's socket tasks; stopped before they have ended, the loop
+        # leaves them pending and their garbage collection logs asyncio's "Task was destroyed but it is pending!"
+        # ERROR. Let them end first.
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            self._call(_settle(), _SHUTDOWN_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(_SHUTDOWN_TIMEOUT_S)
 
@@ -251,6 +256,14 @@ async def _cancel(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _settle() -> None:
+    """Cancel every other task on the running loop and wait until each has ended."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _params(sampling: SamplingConfig, n: int, seed: int | None) -> Any:

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from grpo_stream.bench import async_bench as ab
+from grpo_stream.bench import async_report as ar
+from grpo_stream.bench.cpu_steal import STEAL_WARN, read_ticks, stolen
+from grpo_stream.bench.cpu_steal import warnings as steal_warnings
 
 
 def fake(curve: list[tuple[float, float]], gen_s: float = 0.0, train_s: float = 0.0) -> dict:
@@ -20,7 +23,7 @@ def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsy
     results = {"S": [fake([(0, 0.3), (4, 0.5), (8, 0.7), (9, 0.7)], gen_s=6.0, train_s=4.0)],
                "P v1 inflight": [fake([(0, 0.3), (2, 0.6), (6, 0.8)]), fake([(0, 0.3), (3, 0.65), (4, 0.6)])],
                "P v4 between": [fake([(0, 0.3), (9, 0.4)])]}
-    summary = ab.report(results, 0.6, tmp_path)
+    summary = ar.report(results, 0.6, tmp_path)
     assert summary["ideal_ratio"] == pytest.approx(0.6)  # max(6, 4) / (6 + 4)
     p = summary["arms"]["P v1 inflight"]
     assert [r["time_to_target_s"] for r in p["runs"]] == [2, 3]
@@ -33,8 +36,8 @@ def test_the_report_times_each_arm_to_the_target_against_s(tmp_path: Path, capsy
     assert by_target["0.50"]["P v1 inflight"] == pytest.approx(2.5 / 4) and by_target["0.50"]["P v4 between"] is None
     assert by_target["0.65"]["P v1 inflight"] is None  # 0.8 at the last point only: unconfirmed
     out = capsys.readouterr().out
-    assert all(field in out for field in ab.FIELDS) and "ideal ratio 0.600" in out and "min/max" in out
-    assert all(key in out for key in ab.DYNAMICS) and set(summary["dynamics"]) == set(results)
+    assert all(field in out for field in ar.FIELDS) and "ideal ratio 0.600" in out and "min/max" in out
+    assert all(key in out for key in ar.DYNAMICS) and set(summary["dynamics"]) == set(results)
     assert json.loads((tmp_path / "async.json").read_text())["target"] == 0.6
     assert (tmp_path / "async.png").stat().st_size > 1000
 
@@ -46,7 +49,7 @@ def test_a_repeat_that_never_reaches_the_target_counts_as_the_slowest(tmp_path: 
     the median is 9 s; with two of three repeats never there, the arm has no median."""
     reach = {8: [(0, 0.3), (8, 0.7), (9, 0.7)], 9: [(0, 0.3), (9, 0.7), (10, 0.7)], None: [(0, 0.3), (10, 0.4)]}
     s = [fake(reach[8], gen_s=1, train_s=1), fake(reach[None]), fake(reach[9])]
-    summary = ab.report({"S": s, "P v4 between": [fake(reach[k]) for k in (8, None, 9)],
+    summary = ar.report({"S": s, "P v4 between": [fake(reach[k]) for k in (8, None, 9)],
                          "P v4 inflight": [fake(reach[k]) for k in (None, 8, None)]}, 0.6, tmp_path)
     s_row, p, q = (summary["arms"][k] for k in ("S", "P v4 between", "P v4 inflight"))
     assert s_row["median"]["time_to_target_s"] == 9 and p["median"]["time_to_target_s"] == 9
@@ -54,22 +57,55 @@ def test_a_repeat_that_never_reaches_the_target_counts_as_the_slowest(tmp_path: 
     assert p["max"]["time_to_target_s"] is None and p["max"]["steps"] == 20  # "-": a repeat never got there
     assert q["median"]["time_to_target_s"] is None and summary["best_pipeline_ratio"] == 1
     assert summary["ratio_by_target"]["0.60"] == {"P v4 between": 1, "P v4 inflight": None}
-    assert ab._median_to_target([4, None]) is None and ab._median_to_target([4, 6]) == 5
-    assert ab._median_to_target([]) is None
+    assert ar._median_to_target([4, None]) is None and ar._median_to_target([4, 6]) == 5
+    assert ar._median_to_target([]) is None
 
 
 def test_the_learner_metrics_of_an_arm_are_averaged_over_its_first_steps_and_all() -> None:
-    steps = [{"step": i, "entropy": 1.0 if i <= ab.EARLY_STEPS else 0.5, "zero_variance_fraction": 0.25}
-             for i in range(1, 2 * ab.EARLY_STEPS + 1)]
-    d = ab.dynamics(steps)
+    steps = [{"step": i, "entropy": 1.0 if i <= ar.EARLY_STEPS else 0.5, "zero_variance_fraction": 0.25}
+             for i in range(1, 2 * ar.EARLY_STEPS + 1)]
+    d = ar.dynamics(steps)
     assert d["entropy_early"] == pytest.approx(1.0) and d["entropy_all"] == pytest.approx(0.75)
     assert d["zero_variance_fraction_all"] == pytest.approx(0.25)
     assert d["clip_frac_low_early"] is None  # a metric the steps do not carry
-    runs = {"S": [fake([(0, 0.3)]) | {"dynamics": d}, fake([(0, 0.3)]) | {"dynamics": ab.dynamics(steps[:5])}],
+    runs = {"S": [fake([(0, 0.3)]) | {"dynamics": d}, fake([(0, 0.3)]) | {"dynamics": ar.dynamics(steps[:5])}],
             "P v1 inflight": [fake([(0, 0.3)])]}  # results written before the dynamics: none
-    table = ab.dynamics_table(runs)
+    table = ar.dynamics_table(runs)
     assert table["S"]["entropy_all"] == pytest.approx((0.75 + 1.0) / 2)  # the median of the two repeats
     assert table["P v1 inflight"]["entropy_all"] is None
+
+
+STAT = """cpu  {u} 0 {sy} {i} 10 0 5 {st} 0 0
+cpu0 {u} 0 {sy} {i} 10 0 5 {st} 0 0
+cpu1 {u} 0 {sy} {i} 10 0 5 {st2} 0 0
+intr 123 0 0
+"""
+
+
+def test_cpu_steal_is_the_largest_share_of_one_cpus_time_the_host_took() -> None:
+    """A repeat during a burst of steal (the host running another guest on our virtual CPUs) is slower for no
+    reason of its own: the report names it."""
+    before = read_ticks(STAT.format(u=100, sy=50, i=800, st=5, st2=5))
+    after = read_ticks(STAT.format(u=160, sy=60, i=870, st=15, st2=65))  # cpu1: 60 of 200 ticks stolen
+    assert before == {0: (970, 5), 1: (970, 5)}  # the aggregate "cpu" line is not a CPU
+    assert stolen(before, after) == pytest.approx(60 / 200)
+    assert stolen(before, after, {0}) == pytest.approx(10 / 150)
+    assert stolen(before, before) is None and stolen({}, read_ticks()) is None
+    assert set(read_ticks()) >= {0}  # this machine's /proc/stat
+    runs = {"S": [fake([(0, 0.3)]) | {"cpu_steal": 0.01}], "P v4 between": [
+        fake([(0, 0.3)]) | {"cpu_steal": 0.02}, fake([(0, 0.3)]) | {"cpu_steal": 0.3}, fake([(0, 0.3)])]}
+    assert steal_warnings(runs) == ["P v4 between, repeat 2: the host took 30% of a CPU's time (steal); this "
+                                    "repeat's timings are not comparable with the others'"]
+
+
+def test_the_report_shows_each_repeats_cpu_steal_and_names_a_repeat_above_the_bound(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    runs = {"S": [fake([(0, 0.3), (4, 0.6), (5, 0.6)], 1.0, 1.0) | {"cpu_steal": 0.004}],
+            "P v1 inflight": [fake([(0, 0.3), (2, 0.6), (3, 0.6)]) | {"cpu_steal": STEAL_WARN * 2}]}
+    summary = ar.report(runs, 0.6, tmp_path)
+    assert summary["arms"]["P v1 inflight"]["runs"][0]["cpu_steal"] == STEAL_WARN * 2
+    assert summary["arms"]["S"]["median"]["cpu_steal"] == 0.004
+    assert "P v1 inflight, repeat 1: the host took 10%" in capsys.readouterr().out
 
 
 def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
@@ -79,7 +115,7 @@ def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
     assert [a.name for a in picked] == ["P v1 between", "P v1 inflight"]
     with pytest.raises(SystemExit, match="unknown arm.*P-v9"):
         ab.pick_arms(False, "S,P-v9")
-    summary = ab.report({"P v1 inflight": [fake([(0, 0.3), (2, 0.6), (3, 0.6)])]}, 0.6, tmp_path)
+    summary = ar.report({"P v1 inflight": [fake([(0, 0.3), (2, 0.6), (3, 0.6)])]}, 0.6, tmp_path)
     assert summary["ideal_ratio"] is None and summary["best_pipeline_ratio"] is None
     assert summary["arms"]["P v1 inflight"]["median"]["time_to_target_s"] == 2
     assert "no arm S in this run" in capsys.readouterr().out
@@ -88,9 +124,9 @@ def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
 def test_the_target_counts_when_two_evaluations_in_a_row_reach_it() -> None:
     # (second, reward, step): a lone spike at 2 s and an unconfirmed last point are not the target reached
     curve = [(0, 0.3, 0), (2, 0.62, 5), (4, 0.5, 9), (6, 0.61, 14), (8, 0.7, 19), (10, 0.4, 24), (12, 0.9, 29)]
-    assert ab.time_to(curve, 0.6) == 6 and ab.steps_to(curve, 0.6) == 14
-    assert ab.time_to(curve, 0.8) is None and ab.steps_to(curve, 0.8) is None
-    assert ab.steps_to([(0, 0.7), (1, 0.7)], 0.6) is None  # curves without steps (older JSON) still time
+    assert ar.time_to(curve, 0.6) == 6 and ar.steps_to(curve, 0.6) == 14
+    assert ar.time_to(curve, 0.8) is None and ar.steps_to(curve, 0.8) is None
+    assert ar.steps_to([(0, 0.7), (1, 0.7)], 0.6) is None  # curves without steps (older JSON) still time
 
 
 @pytest.mark.slow
@@ -98,14 +134,14 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
     pytest.importorskip("vllm")
     assert ab.main(budget_s=12, short=True, target=0.99, out=str(tmp_path / "b")) == 0
     out = capsys.readouterr().out
-    assert all(field in out for field in ab.FIELDS) and "best pipeline ratio to S" in out
+    assert all(field in out for field in ar.FIELDS) and "best pipeline ratio to S" in out
     summary = json.loads((tmp_path / "b" / "async.json").read_text())
     assert set(summary["arms"]) == {"S", "P v1 inflight"}
     assert summary["arms"]["S"]["runs"][0]["steps"] >= 1 and summary["sync_warmup_s"] > 0  # S's untimed batch
     assert summary["sync_gen_s"] > 0 and summary["sync_train_s"] > 0 and 0.5 <= summary["ideal_ratio"] < 1
     for name, arm in summary["arms"].items():
         row = arm["runs"][0]
-        assert set(row) == set(ab.FIELDS)
+        assert set(row) == set(ar.FIELDS)
         assert row["steps"] >= 1 and row["tokens_per_s"] > 0, (name, row)
         assert 0 < row["engine_busy"] <= 1 and 0 < row["learner_busy"] <= 1, (name, row)
         curve = summary["curves"][name][0]
@@ -174,7 +210,7 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
 
     pcfg, lcfg = build(ProducerConfig, roles["producer"], "producer"), build(LearnerConfig, roles["learner"], "learner")
     monkeypatch.setattr(async_sync, "Trainer", Recording)
-    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag)
+    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag, {0})
     assert res.steps == len(trained) == len(res.step_metrics) >= 3
     # the warm-up loaded the weights once: step k's batch came after 1 + max(0, k - lag) loads, labelled as such
     assert trained == [(max(0, k - lag), 1 + max(0, k - lag)) for k in range(len(trained))]

@@ -33,6 +33,7 @@ from grpo_learner.publish import unique_tensors
 from grpo_learner.service import load_model
 from grpo_learner.trainer import Trainer
 from grpo_producers.config import ProducerConfig
+from grpo_stream.bench.cpu_steal import read_ticks, stolen
 from grpo_stream.demo_model import task_items
 from grpo_verifiers.rewards.builtins import positions
 
@@ -50,6 +51,7 @@ class SyncRun:
     tokens: int = 0
     snapshots: list[tuple[float, int, Path]] = field(default_factory=list)
     step_metrics: list[dict[str, float]] = field(default_factory=list)  # each step's learner metrics, in order
+    cpu_steal: float | None = None  # the largest share of a CPU's time the host took while the clock ran
 
 
 def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float, out: Path,
@@ -71,13 +73,13 @@ def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float
     os.sched_setaffinity(0, train_cpus)
     torch.set_num_threads(len(train_cpus))
     try:
-        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag)
+        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag, gen_cpus | train_cpus)
     finally:
         engine.close()
 
 
 def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[str], budget_s: float, out: Path,
-          snapshots: int, lag: int) -> SyncRun:
+          snapshots: int, lag: int, cpus: set[int]) -> SyncRun:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(pcfg.backend.tokenizer or pcfg.backend.model)
@@ -89,7 +91,7 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
     weights_dir = out / "weights"
     res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
     generated: deque[tuple[list[int], list[Any], int]] = deque()  # (prompts, samples, version), oldest first
-    start = time.perf_counter()
+    start, ticks = time.perf_counter(), read_ticks()
     res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
     while time.perf_counter() - start < budget_s:
         if len(order) < b:
@@ -115,6 +117,7 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
         if now >= len(res.snapshots) * budget_s / snapshots:
             res.snapshots.append((now, res.steps, _snapshot(trainer.model, out / "snapshots" / f"s{res.steps:04d}")))
     res.wall_s = time.perf_counter() - start
+    res.cpu_steal = stolen(ticks, read_ticks(), cpus)
     res.snapshots.append((res.wall_s, res.steps, _snapshot(trainer.model, out / "snapshots" / "final")))
     return res
 

@@ -85,6 +85,8 @@ def training(L: Names) -> Dashboard:
         Panel("Learning rate", [(g("lr"), "lr")]),
         Panel("Learner step / published policy version", [(L.step, "step"), (L.version, "published version")]),
         Panel("Steps per minute", [(f"{_rate(L.steps)} * 60", "steps/min")]),
+        Panel("Learner CPU during a step (CPU learners: near 1 unless its CPUs went elsewhere)",
+              [(g("cpu_share"), "CPU share"), (g("sys_share"), "kernel's part")], "percentunit"),
         Panel("Groups trained / dropped per second", [
             (_rate(L.trained), "trained"), (f"sum by (reason) ({_rate(L.dropped)})", "dropped: {{reason}}")]),
         Panel("Skipped updates (non-finite loss/grad)", [(f"increase({L.skipped}[15m])", "skipped (15m)")]),

@@ -14,7 +14,7 @@ from grpo_core.trackers import Trackers
 
 # Gauges that mirror a StepStats metric of the same name (loss, kl, clip fractions, ratios, rewards, ...).
 STEP_GAUGES = ("loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "entropy",
-               "reward_mean", "reward_std", "zero_variance_fraction", "grad_norm", "lr")
+               "reward_mean", "reward_std", "zero_variance_fraction", "grad_norm", "lr", "cpu_share", "sys_share")
 PHASES = ("wait", "collate", "forward_old", "forward", "backward", "optimizer", "publish", "checkpoint")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,28 @@ class StepStats:
     timings: dict[str, float] = field(default_factory=dict)
     skipped_updates: int = 0
     tokens: int = 0
+
+
+def cpu_clock() -> tuple[float, float, float]:
+    """(wall, user CPU, system CPU) seconds so far; the CPU times are the whole process's (every thread)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), usage.ru_utime, usage.ru_stime
+
+
+def cpu_shares(before: tuple[float, float, float], after: tuple[float, float, float],
+               threads: int) -> dict[str, float]:
+    """What a step got from its CPUs, between two :func:`cpu_clock` readings.
+
+    ``cpu_share``: CPU seconds over wall seconds x torch's threads. A CPU learner that computes the whole step
+    is near 1; far below, its CPUs ran something else while it waited (another process on them, the host of a
+    virtual machine: steal). A learner 25-60x slower per step for a whole run was seen once in a few repeats on
+    a shared machine; this says whether it was denied the CPU or slow on it. On a GPU the step waits on the
+    device, so a low share is normal there. ``sys_share``: the kernel's part of that CPU time (page faults,
+    memory compaction)."""
+    wall, user, system = (a - b for a, b in zip(after, before, strict=True))
+    cpu = user + system
+    return {"cpu_share": cpu / (wall * max(threads, 1)) if wall > 0 else 0.0,
+            "sys_share": system / cpu if cpu > 0 else 0.0}
 
 
 class Trainer:
@@ -95,6 +118,7 @@ class Trainer:
     def train_step(self, groups: list[wire.ScoredGroup]) -> StepStats:
         """One learner step on ``groups`` (the only rank that has them: rank 0 or the single process)."""
         stats = StepStats()
+        clock = cpu_clock()
         t0 = time.perf_counter()
         batch = self._prepare(groups)
         stats.tokens = int(batch.num_tokens)  # tokens processed (throughput), before eq. 8 masks any
@@ -116,6 +140,7 @@ class Trainer:
         # one answer per prompt shows here before its reward stops rising.
         stats.metrics["zero_variance_fraction"] = float(flat.float().mean()) if groups else 0.0
         stats.metrics["lr"] = self.scheduler.get_last_lr()[0]
+        stats.metrics.update(cpu_shares(clock, cpu_clock(), torch.get_num_threads()))
         return stats
 
     def train_shard(self) -> StepStats:

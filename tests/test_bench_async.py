@@ -98,14 +98,20 @@ def test_cpu_steal_is_the_largest_share_of_one_cpus_time_the_host_took() -> None
                                     "repeat's timings are not comparable with the others'"]
 
 
-def test_the_report_shows_each_repeats_cpu_steal_and_names_a_repeat_above_the_bound(
+def test_the_report_names_each_repeat_the_machine_held_up(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     runs = {"S": [fake([(0, 0.3), (4, 0.6), (5, 0.6)], 1.0, 1.0) | {"cpu_steal": 0.004}],
-            "P v1 inflight": [fake([(0, 0.3), (2, 0.6), (3, 0.6)]) | {"cpu_steal": STEAL_WARN * 2}]}
+            "P v1 inflight": [fake([(0, 0.3), (2, 0.6), (3, 0.6)]) | {"cpu_steal": STEAL_WARN * 2}],
+            "P v4 between": [fake([(0, 0.3)]) | {"dynamics": {"cpu_share_all": 0.95}},
+                             fake([(0, 0.3)]) | {"dynamics": {"cpu_share_all": 0.04}}]}
     summary = ar.report(runs, 0.6, tmp_path)
     assert summary["arms"]["P v1 inflight"]["runs"][0]["cpu_steal"] == STEAL_WARN * 2
     assert summary["arms"]["S"]["median"]["cpu_steal"] == 0.004
-    assert "P v1 inflight, repeat 1: the host took 10%" in capsys.readouterr().out
+    assert [r["learner_cpu_share"] for r in summary["arms"]["P v4 between"]["runs"]] == [0.95, 0.04]
+    out = capsys.readouterr().out
+    assert "P v1 inflight, repeat 1: the host took 10%" in out
+    assert "P v4 between, repeat 2: the learner had a CPU for 4% of its step time" in out
+    assert "P v4 between, repeat 1" not in out and "S, repeat" not in out
 
 
 def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(
@@ -149,6 +155,7 @@ def test_a_short_run_measures_both_kinds_of_arm(tmp_path: Path, capsys: pytest.C
         assert curve[0][2] == 0 and 1 <= curve[-1][2] <= row["steps"] + 1, (name, curve)  # each point's step
         dyn = summary["dynamics"][name]  # the learner's own per-step metrics, from both kinds of arm
         assert dyn["entropy_all"] > 0 and 0 <= dyn["zero_variance_fraction_all"] <= 1, (name, dyn)
+        assert dyn["cpu_share_all"] > 0, (name, dyn)  # the learner step's own CPU clock, both kinds of arm
         assert 0 <= dyn["reward_mean_early"] <= 1, (name, dyn)
     assert summary["arms"]["P v1 inflight"]["runs"][0]["mean_staleness"] >= 0
     assert (tmp_path / "b" / "async.png").is_file()

@@ -4,6 +4,7 @@ and a non-finite step is skipped, never applied."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpo_core import wire
 from grpo_core.config import load_config
 from grpo_learner.config import LearnerConfig
-from grpo_learner.trainer import Trainer
+from grpo_learner.metrics import STEP_GAUGES
+from grpo_learner.trainer import Trainer, cpu_clock, cpu_shares
 from grpo_stream.tiny_model import build_tiny_model
 
 G, PROMPTS, NEW_TOKENS = 8, 8, 8
@@ -121,6 +123,24 @@ def test_reference_and_proximal_passes_and_grad_accumulation(model_dir: Path) ->
         assert stats.metrics["kl"] == pytest.approx(0.0, abs=1e-9)  # pi == pi_ref before the first update
         assert 0.0 <= stats.metrics["entropy"] <= np.log(320) + 1e-3
     assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
+
+
+def test_a_step_reports_the_share_of_its_time_it_had_a_cpu(model_dir: Path) -> None:
+    """A learner 25-60x slower per step was seen in a few bench repeats on a shared machine, never caught: the
+    step now says whether it was denied its CPU (share far below 1) or slow on it (share near 1; the kernel's part
+    tells page faults from the computation)."""
+    assert cpu_shares((10.0, 1.0, 0.5), (12.0, 1.5, 0.6), threads=1) == pytest.approx(
+        {"cpu_share": 0.6 / 2.0, "sys_share": 0.1 / 0.6})
+    assert cpu_shares((10.0, 1.0, 0.5), (12.0, 3.0, 1.0), threads=2)["cpu_share"] == pytest.approx(2.5 / 4)
+    assert cpu_shares((1.0, 0.0, 0.0), (1.0, 0.0, 0.0), threads=1) == {"cpu_share": 0.0, "sys_share": 0.0}
+    before = cpu_clock()
+    time.sleep(0.3)  # waiting is not computing: the wall clock runs, the CPU clock does not
+    assert cpu_shares(before, cpu_clock(), threads=1)["cpu_share"] < 0.5
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    stats = Trainer(_cfg(model_dir), model).train_step(sample_groups(model, tok, 0, seed=4)[:4])
+    assert stats.metrics["cpu_share"] > 0.0 and 0.0 <= stats.metrics["sys_share"] <= 1.0, stats.metrics
+    assert {"cpu_share", "sys_share"} <= set(STEP_GAUGES)  # each a Prometheus gauge too
 
 
 def test_the_share_of_zero_variance_groups_is_reported(model_dir: Path) -> None:

@@ -20,8 +20,9 @@ saved with their wall-clock second and learner step and evaluated afterwards (gr
 arm reaches the target at the first evaluated version from which two evaluations in a row are at or above it.
 Printed per arm: time-to-target and its ratio to S, learner steps to the target, reward gain per second, generated
 tokens/s, engine and learner busy fractions, mean staleness, the largest share of a CPU's time the host took
-(steal; a repeat above 5% is named); the ideal ratio max(gen, train) / (gen + train) from S's own phase times;
-and each pipeline arm's ratio at targets around the chosen one (the report: :mod:`.async_report`).
+(steal) and the learner's share of its step time on a CPU (a repeat held up by either is named); the ideal
+ratio max(gen, train) / (gen + train) from S's own phase times; and each pipeline arm's ratio at targets around
+the chosen one (the report: :mod:`.async_report`).
 Written: ``async.json`` and ``async.png`` (held-out reward vs wall-clock, one line per arm).
 """
 

@@ -13,7 +13,10 @@ from grpo_stream.bench.cpu_steal import warnings as steal_warnings
 
 # The learner metrics averaged per arm (`dynamics`), over its first EARLY_STEPS steps and over all: the pipeline
 # arms gained more held-out reward per learner step than S; these say what differed in the batches and the policy.
-DYNAMICS = ("entropy", "zero_variance_fraction", "clip_frac_low", "clip_frac_high", "reward_mean")
+DYNAMICS = ("entropy", "zero_variance_fraction", "clip_frac_low", "clip_frac_high", "reward_mean", "cpu_share")
+# A learner step on this CPU computes all the time it runs: a repeat whose learner had its CPU for less than this
+# share of its step time was held up by something else on the machine, and is named under the table.
+LOW_CPU_SHARE = 0.5
 EARLY_STEPS = 30
 
 
@@ -51,7 +54,7 @@ def steps_to(curve: list[Any], target: float) -> int | None:
 
 
 FIELDS = ("time_to_target_s", "ratio_to_S", "steps_to_target", "reward_gain_per_s", "tokens_per_s", "engine_busy",
-          "learner_busy", "mean_staleness", "steps", "final_reward", "cpu_steal")
+          "learner_busy", "mean_staleness", "steps", "final_reward", "cpu_steal", "learner_cpu_share")
 
 
 def arm_row(result: dict[str, Any], target: float, sync_ttt: float | None) -> dict[str, Any]:
@@ -63,7 +66,8 @@ def arm_row(result: dict[str, Any], target: float, sync_ttt: float | None) -> di
             "reward_gain_per_s": (last - first) / result["wall_s"], "tokens_per_s": result["tokens"] / result["wall_s"],
             "engine_busy": result["engine_busy"], "learner_busy": result["learner_busy"],
             "mean_staleness": result["mean_staleness"], "steps": result["steps"], "final_reward": last,
-            "cpu_steal": result.get("cpu_steal")}
+            "cpu_steal": result.get("cpu_steal"),
+            "learner_cpu_share": (result.get("dynamics") or {}).get("cpu_share_all")}
 
 
 def _fmt(v: Any) -> str:
@@ -92,7 +96,7 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
         if len(rows) > 1:
             print(f"{'  min/max':<15} " + " ".join(
                 f"{_fmt(table[name]['min'][f]) + '/' + _fmt(table[name]['max'][f]):>17}" for f in FIELDS))
-    for line in steal_warnings(results):
+    for line in held_up(results):
         print(line)
     best = min((v["median"]["ratio_to_S"] for k, v in table.items() if k.startswith("P")
                 and v["median"]["ratio_to_S"] is not None), default=None)
@@ -108,6 +112,19 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     (out / "async.json").write_text(json.dumps(summary, indent=2))
     _plot(results, target, out / "async.png")
     return summary
+
+
+def held_up(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """A line for every repeat the machine held up: the host took its CPUs (steal), or its learner had a CPU for
+    less than :data:`LOW_CPU_SHARE` of its step time."""
+    lines = steal_warnings(results)
+    for name, runs in results.items():
+        for k, run in enumerate(runs):
+            share = (run.get("dynamics") or {}).get("cpu_share_all")
+            if share is not None and share < LOW_CPU_SHARE:
+                lines.append(f"{name}, repeat {k + 1}: the learner had a CPU for {share:.0%} of its step time; "
+                             f"this repeat's timings are not comparable with the others'")
+    return lines
 
 
 def sync_time_to(results: dict[str, list[dict[str, Any]]], target: float) -> float | None:

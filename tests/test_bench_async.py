@@ -4,14 +4,16 @@ the pipeline with in-flight swaps) that prints every field and writes the JSON a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from grpo_stream.bench import async_bench as ab
 from grpo_stream.bench import async_report as ar
-from grpo_stream.bench.cpu_steal import STEAL_WARN, read_ticks, stolen
-from grpo_stream.bench.cpu_steal import warnings as steal_warnings
+from grpo_stream.bench import cpu_use
+from grpo_stream.bench.cpu_use import STEAL_WARN, read_ticks, stolen
+from grpo_stream.bench.cpu_use import warnings as steal_warnings
 
 
 def fake(curve: list[tuple[float, float]], gen_s: float = 0.0, train_s: float = 0.0) -> dict:
@@ -87,7 +89,7 @@ def test_cpu_steal_is_the_largest_share_of_one_cpus_time_the_host_took() -> None
     reason of its own: the report names it."""
     before = read_ticks(STAT.format(u=100, sy=50, i=800, st=5, st2=5))
     after = read_ticks(STAT.format(u=160, sy=60, i=870, st=15, st2=65))  # cpu1: 60 of 200 ticks stolen
-    assert before == {0: (970, 5), 1: (970, 5)}  # the aggregate "cpu" line is not a CPU
+    assert before == {0: (970, 5, 810), 1: (970, 5, 810)}  # (all, steal, idle + iowait); "cpu" is not a CPU
     assert stolen(before, after) == pytest.approx(60 / 200)
     assert stolen(before, after, {0}) == pytest.approx(10 / 150)
     assert stolen(before, before) is None and stolen({}, read_ticks()) is None
@@ -96,6 +98,50 @@ def test_cpu_steal_is_the_largest_share_of_one_cpus_time_the_host_took() -> None
         fake([(0, 0.3)]) | {"cpu_steal": 0.02}, fake([(0, 0.3)]) | {"cpu_steal": 0.3}, fake([(0, 0.3)])]}
     assert steal_warnings(runs) == ["P v4 between, repeat 2: the host took 30% of a CPU's time (steal); this "
                                     "repeat's timings are not comparable with the others'"]
+
+
+BURN = """import pathlib, sys, time
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+pathlib.Path(sys.argv[1]).write_text("burnt")
+time.sleep(60)
+"""
+
+
+def test_a_roles_cpu_counts_its_whole_process_tree(tmp_path: Path) -> None:
+    """A producer's CPU is mostly its vLLM engine's, in processes it started: a role's figure is its tree's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    flag = tmp_path / "flag"
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                              "sys.argv[1], sys.argv[2]])", BURN, str(flag)], start_new_session=True)
+    try:
+        before = cpu_use.tree_ticks({"role": child.pid, "gone": 2 ** 22 + 1})
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = cpu_use.tree_ticks({"role": child.pid})
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    assert flag.exists() and before["gone"] == 0
+    assert (after["role"] - before["role"]) * cpu_use.TICK_S >= 0.25  # the grandchild's 0.3 s of CPU
+
+
+def test_cpus_by_role_split_the_machines_busy_time(tmp_path: Path) -> None:
+    t = cpu_use.TICK_S
+    before = cpu_use.Reading(at=0.0, machine={0: (1000, 0, 600), 1: (1000, 10, 800)}, roles={"learner": 100})
+    after = cpu_use.Reading(at=2.0, machine={0: (1200, 0, 650), 1: (1200, 30, 830)}, roles={"learner": 200})
+    # busy: 150 ticks on cpu0, 200 - 20 stolen - 30 idle = 150 on cpu1; the learner 100 of them
+    assert cpu_use.cpus_by_role(before, after) == pytest.approx({"learner": 100 * t / 2, "rest": 200 * t / 2})
+    assert cpu_use.role_pids(tmp_path) == {}
+    (tmp_path / "children.json").write_text('{"learner": {"pid": 12, "restarts": 0}, "feeder": {"pid": null}}')
+    assert cpu_use.role_pids(tmp_path) == {"learner": 12}
+    assert cpu_use.read({"me": os.getpid()}).roles["me"] > 0
 
 
 def test_the_report_names_each_repeat_the_machine_held_up(
@@ -112,6 +158,13 @@ def test_the_report_names_each_repeat_the_machine_held_up(
     assert "P v1 inflight, repeat 1: the host took 10%" in out
     assert "P v4 between, repeat 2: the learner had a CPU for 4% of its step time" in out
     assert "P v4 between, repeat 1" not in out and "S, repeat" not in out
+    assert "CPUs used while the clock ran" not in out  # results without the figures (older JSON): no table
+    runs["S"][0]["cpu_by_role"] = {"S": 1.9, "rest": 0.02}
+    runs["P v1 inflight"][0]["cpu_by_role"] = {"producer-0": 0.9, "learner": 0.5, "rest": 0.3}
+    summary = ar.report(runs, 0.6, tmp_path)
+    assert summary["cpu_by_role"]["P v1 inflight"] == {"learner": 0.5, "producer-0": 0.9, "rest": 0.3}
+    out = capsys.readouterr().out
+    assert "  P v1 inflight: producer-0 0.90, learner 0.50, rest 0.30" in out and "  S: S 1.90, rest 0.02" in out
 
 
 def test_arms_are_picked_by_name_or_slug_and_a_run_without_s_reports_no_ratios(

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.config import load_config
+from grpo_stream.bench import cpu_use
 from grpo_stream.bench.async_report import dynamics, report
-from grpo_stream.bench.cpu_steal import Ticks, read_ticks, stolen
 from grpo_stream.configs import shipped_config
 
 CACHE = Path(".cache") / "bench-models"
@@ -113,20 +113,20 @@ def run_sync_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: str) -
     return {"wall_s": res.wall_s, "gen_s": res.gen_s, "train_s": res.train_s, "steps": res.steps,
             "tokens": res.tokens, "engine_busy": res.gen_s / res.wall_s, "learner_busy": res.train_s / res.wall_s,
             "mean_staleness": float(arm.lag), "warmup_s": res.warmup_s, "dynamics": dynamics(res.step_metrics),
-            "cpu_steal": res.cpu_steal,
+            "cpu_steal": res.cpu_steal, "cpu_by_role": res.cpu_by_role,
             "points": [(t, step, str(p)) for t, step, p in res.snapshots]}
 
 
 class _Watch:
     """The supervisor's tick for a pipeline arm: scrape the producer, stop ``budget_s`` after its first token."""
 
-    def __init__(self, port: int, budget_s: float) -> None:
-        self.url, self.budget_s = f"http://127.0.0.1:{port}/metrics", budget_s
+    def __init__(self, port: int, budget_s: float, run_dir: Path) -> None:
+        self.url, self.budget_s, self.run_dir = f"http://127.0.0.1:{port}/metrics", budget_s, run_dir
         self.t0: float | None = None
         self.last: dict[str, float] = {}
         self.at_t0: dict[str, float] = {}  # counters when the budget started: only what follows counts
         self._at = 0.0
-        self.ticks: list[Ticks] = []  # CPU ticks when the budget started and when it ended
+        self.cpu: list[cpu_use.Reading] = []  # the machine's and each role's CPU ticks at the budget's start, end
 
     def __call__(self) -> bool:
         if time.monotonic() - self._at >= 1.0 or self.t0 is not None and self._over():
@@ -137,10 +137,11 @@ class _Watch:
                 return False
             self.last = {k: float(v) for k, v in re.findall(r"^(grpo_stream_producer_\w+) ([0-9.e+-]+)$", text, re.M)}
             if self.t0 is None and self.last.get("grpo_stream_producer_tokens_total", 0) > 0:
-                self.t0, self.at_t0, self.ticks = time.time(), dict(self.last), [read_ticks()]
+                self.t0, self.at_t0 = time.time(), dict(self.last)
+                self.cpu = [cpu_use.read(cpu_use.role_pids(self.run_dir))]
         if self.t0 is not None and self._over():
-            if len(self.ticks) == 1:
-                self.ticks.append(read_ticks())
+            if len(self.cpu) == 1:
+                self.cpu.append(cpu_use.read(cpu_use.role_pids(self.run_dir)))
             return True
         return False
 
@@ -156,7 +157,7 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
     cfg = base_config(model, out, arm, budget_s, task)
     port = free_port()
     cfg.producers.config.setdefault("metrics", {})["port"] = port
-    watch = _Watch(port, budget_s)
+    watch = _Watch(port, budget_s, out)
     execute(cfg, tty=False, on_tick=watch)
     t0 = watch.t0 or time.time()
     wall = max(1e-9, min(budget_s, time.time() - t0))
@@ -176,10 +177,18 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
             "engine_busy": min(1.0, gen / wall), "learner_busy": min(1.0, busy / wall),
             "mean_staleness": statistics.fmean(trained) if trained else 0.0,
             "aborted_stale": since_t0("aborted_stale_total"),
-            "cpu_steal": stolen(watch.ticks[0], watch.ticks[-1] if len(watch.ticks) == 2 else read_ticks(), PINNED)
-            if watch.ticks else None,
+            **_cpu_use(watch),
             "dynamics": dynamics(sorted(inside, key=lambda m: m["step"])),
             "points": [(max(0.0, t), step, str(d)) for t, step, d in versions if t <= wall]}
+
+
+def _cpu_use(watch: _Watch) -> dict[str, Any]:
+    """The arm's steal and CPUs by role over its budget (up to now, if the run ended before the budget did)."""
+    if not watch.cpu:
+        return {"cpu_steal": None, "cpu_by_role": {}}
+    start, end = watch.cpu[0], watch.cpu[-1] if len(watch.cpu) == 2 else cpu_use.read(cpu_use.role_pids(watch.run_dir))
+    return {"cpu_steal": cpu_use.stolen(start.machine, end.machine, PINNED),
+            "cpu_by_role": cpu_use.cpus_by_role(start, end)}
 
 
 # ------------------------------------------------------------------------------------------ evaluation

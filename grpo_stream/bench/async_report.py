@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from grpo_stream.bench.cpu_steal import warnings as steal_warnings
+from grpo_stream.bench.cpu_use import format_cpus
+from grpo_stream.bench.cpu_use import warnings as steal_warnings
 
 # The learner metrics averaged per arm (`dynamics`), over its first EARLY_STEPS steps and over all: the pipeline
 # arms gained more held-out reward per learner step than S; these say what differed in the batches and the policy.
@@ -102,16 +103,34 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
                 and v["median"]["ratio_to_S"] is not None), default=None)
     print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {_fmt(ideal)}; "
           f"gap {_fmt(None if best is None or ideal is None else best / ideal)} (target <= 1.15)")
+    cpus = cpu_table(results)
     sensitivity = ratios_by_target(results, sorted({round(target + d, 2) for d in (-0.1, -0.05, 0.0, 0.05, 0.1)}))
     warmup = statistics.fmean(r.get("warmup_s", 0.0) for r in s_runs) if s_runs else None  # outside S's clock
     summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
                "sync_warmup_s": warmup,
                "best_pipeline_ratio": best, "arms": table, "ratio_by_target": sensitivity,
-               "dynamics": dynamics_table(results),
+               "dynamics": dynamics_table(results), "cpu_by_role": cpus,
                "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
     (out / "async.json").write_text(json.dumps(summary, indent=2))
     _plot(results, target, out / "async.png")
     return summary
+
+
+def cpu_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """CPUs each role's process tree used while an arm's clock ran (median of repeats), a line per arm: what the
+    pipeline's own machinery (broker, verifier, feeder, the producer's Kafka side) takes from generation and
+    learning on this machine, which S does not pay."""
+    table: dict[str, dict[str, float]] = {}
+    for name, runs in results.items():
+        roles = sorted({r for run in runs for r in run.get("cpu_by_role") or {}})
+        table[name] = {r: _median([(run.get("cpu_by_role") or {}).get(r) for run in runs]) for r in roles}
+    if any(table.values()):
+        print("CPUs used while the clock ran, by process tree (a producer's includes its vLLM engine; rest: the "
+              "broker, the supervisor, the OS):")
+        for name, row in table.items():
+            if row:
+                print("  " + format_cpus(name, row))
+    return table
 
 
 def held_up(results: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -33,7 +33,7 @@ from grpo_learner.publish import unique_tensors
 from grpo_learner.service import load_model
 from grpo_learner.trainer import Trainer
 from grpo_producers.config import ProducerConfig
-from grpo_stream.bench.cpu_steal import read_ticks, stolen
+from grpo_stream.bench import cpu_use
 from grpo_stream.demo_model import task_items
 from grpo_verifiers.rewards.builtins import positions
 
@@ -52,6 +52,7 @@ class SyncRun:
     snapshots: list[tuple[float, int, Path]] = field(default_factory=list)
     step_metrics: list[dict[str, float]] = field(default_factory=list)  # each step's learner metrics, in order
     cpu_steal: float | None = None  # the largest share of a CPU's time the host took while the clock ran
+    cpu_by_role: dict[str, float] = field(default_factory=dict)  # CPUs used meanwhile: S's tree, the rest
 
 
 def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float, out: Path,
@@ -91,7 +92,7 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
     weights_dir = out / "weights"
     res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
     generated: deque[tuple[list[int], list[Any], int]] = deque()  # (prompts, samples, version), oldest first
-    start, ticks = time.perf_counter(), read_ticks()
+    start, cpu = time.perf_counter(), cpu_use.read({"S": os.getpid()})  # S's tree: its engine's processes too
     res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
     while time.perf_counter() - start < budget_s:
         if len(order) < b:
@@ -117,7 +118,8 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
         if now >= len(res.snapshots) * budget_s / snapshots:
             res.snapshots.append((now, res.steps, _snapshot(trainer.model, out / "snapshots" / f"s{res.steps:04d}")))
     res.wall_s = time.perf_counter() - start
-    res.cpu_steal = stolen(ticks, read_ticks(), cpus)
+    end = cpu_use.read({"S": os.getpid()})
+    res.cpu_steal, res.cpu_by_role = cpu_use.stolen(cpu.machine, end.machine, cpus), cpu_use.cpus_by_role(cpu, end)
     res.snapshots.append((res.wall_s, res.steps, _snapshot(trainer.model, out / "snapshots" / "final")))
     return res
 

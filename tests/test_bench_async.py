@@ -138,6 +138,8 @@ def test_cpus_by_role_split_the_machines_busy_time(tmp_path: Path) -> None:
     after = cpu_use.Reading(at=2.0, machine={0: (1200, 0, 650), 1: (1200, 30, 830)}, roles={"learner": 200})
     # busy: 150 ticks on cpu0, 200 - 20 stolen - 30 idle = 150 on cpu1; the learner 100 of them
     assert cpu_use.cpus_by_role(before, after) == pytest.approx({"learner": 100 * t / 2, "rest": 200 * t / 2})
+    restarted = cpu_use.Reading(at=2.0, machine=after.machine, roles={"learner": 40, "feeder": 9})
+    assert cpu_use.cpus_by_role(before, restarted) == pytest.approx({"rest": 300 * t / 2})  # not comparable
     assert cpu_use.role_pids(tmp_path) == {}
     (tmp_path / "children.json").write_text('{"learner": {"pid": 12, "restarts": 0}, "feeder": {"pid": null}}')
     assert cpu_use.role_pids(tmp_path) == {"learner": 12}

@@ -183,12 +183,13 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
 
 
 def _cpu_use(watch: _Watch) -> dict[str, Any]:
-    """The arm's steal and CPUs by role over its budget (up to now, if the run ended before the budget did)."""
+    """The arm's steal and CPUs by role over its budget. A run that ended before its budget did has no roles left
+    to read: its steal is counted up to now, and no CPUs by role are reported."""
     if not watch.cpu:
         return {"cpu_steal": None, "cpu_by_role": {}}
-    start, end = watch.cpu[0], watch.cpu[-1] if len(watch.cpu) == 2 else cpu_use.read(cpu_use.role_pids(watch.run_dir))
-    return {"cpu_steal": cpu_use.stolen(start.machine, end.machine, PINNED),
-            "cpu_by_role": cpu_use.cpus_by_role(start, end)}
+    start, end = watch.cpu[0], watch.cpu[-1] if len(watch.cpu) == 2 else None
+    return {"cpu_steal": cpu_use.stolen(start.machine, (end or cpu_use.Reading()).machine, PINNED),
+            "cpu_by_role": cpu_use.cpus_by_role(start, end) if end else {}}
 
 
 # ------------------------------------------------------------------------------------------ evaluation

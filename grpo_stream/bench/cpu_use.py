@@ -81,11 +81,13 @@ def read(roots: dict[str, int]) -> Reading:
 
 def cpus_by_role(before: Reading, after: Reading) -> dict[str, float]:
     """CPUs each tree used on average between two readings (CPU seconds per second), and ``rest``: the machine's
-    busy time outside them (a broker, the supervisor, the OS)."""
+    busy time outside them (a broker, the supervisor, the OS). A tree whose ticks went down (a role restarted in
+    between: a new process) is left out, its time counted in ``rest``."""
     wall = after.at - before.at
     if wall <= 0:
         return {}
-    used = {n: (after.roles[n] - before.roles.get(n, 0)) * TICK_S / wall for n in after.roles}
+    used = {n: (t - before.roles[n]) * TICK_S / wall for n, t in after.roles.items()
+            if n in before.roles and t >= before.roles[n]}
     busy = sum((a[0] - a[1] - a[2]) - (b[0] - b[1] - b[2])
                for c, a in after.machine.items() if (b := before.machine.get(c)) is not None)
     return used | {"rest": max(0.0, busy * TICK_S / wall - sum(used.values()))}

@@ -66,10 +66,10 @@ def cpu_shares(before: tuple[float, float, float], after: tuple[float, float, fl
 
     ``cpu_share``: CPU seconds over wall seconds x torch's threads. A CPU learner that computes the whole step
     is near 1; far below, its CPUs ran something else while it waited (another process on them, the host of a
-    virtual machine: steal). A learner 25-60x slower per step for a whole run was seen once in a few repeats on
-    a shared machine; this says whether it was denied the CPU or slow on it. On a GPU the step waits on the
-    device, so a low share is normal there. ``sys_share``: the kernel's part of that CPU time (page faults,
-    memory compaction)."""
+    virtual machine: steal). A learner 25-60x slower per step for a whole run was seen in 3 bench repeats on a
+    shared machine, never caught; this says whether such a learner is denied its CPU or slow on it. On a GPU the
+    step waits on the device, so a low share is normal there. ``sys_share``: the kernel's part of that CPU time
+    (page faults, memory compaction)."""
     wall, user, system = (a - b for a, b in zip(after, before, strict=True))
     cpu = user + system
     return {"cpu_share": cpu / (wall * max(threads, 1)) if wall > 0 else 0.0,

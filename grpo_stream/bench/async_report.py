@@ -9,8 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from grpo_stream.bench.cpu_use import format_cpus
-from grpo_stream.bench.cpu_use import warnings as steal_warnings
+from grpo_stream.bench.cpu_use import STEAL_WARN, format_cpus
 
 # The learner metrics averaged per arm (`dynamics`), over its first EARLY_STEPS steps and over all: the pipeline
 # arms gained more held-out reward per learner step than S; these say what differed in the batches and the policy.
@@ -68,7 +67,7 @@ def arm_row(result: dict[str, Any], target: float, sync_ttt: float | None) -> di
             "engine_busy": result["engine_busy"], "learner_busy": result["learner_busy"],
             "mean_staleness": result["mean_staleness"], "steps": result["steps"], "final_reward": last,
             "cpu_steal": result.get("cpu_steal"),
-            "learner_cpu_share": (result.get("dynamics") or {}).get("cpu_share_all")}
+            "learner_cpu_share": _learner_cpu_share(result)}
 
 
 def _fmt(v: Any) -> str:
@@ -134,16 +133,24 @@ def cpu_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
 
 
 def held_up(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """A line for every repeat the machine held up: the host took its CPUs (steal), or its learner had a CPU for
-    less than :data:`LOW_CPU_SHARE` of its step time."""
-    lines = steal_warnings(results)
+    """A line for every repeat the machine held up: the host took more than :data:`STEAL_WARN` of a CPU's time
+    (steal), or its learner had a CPU for less than :data:`LOW_CPU_SHARE` of its step time."""
+    lines = []
     for name, runs in results.items():
         for k, run in enumerate(runs):
-            share = (run.get("dynamics") or {}).get("cpu_share_all")
+            steal, share = run.get("cpu_steal"), _learner_cpu_share(run)
+            if steal is not None and steal > STEAL_WARN:
+                lines.append(f"{name}, repeat {k + 1}: the host took {steal:.0%} of a CPU's time (steal); this "
+                             f"repeat's timings are not comparable with the others'")
             if share is not None and share < LOW_CPU_SHARE:
                 lines.append(f"{name}, repeat {k + 1}: the learner had a CPU for {share:.0%} of its step time; "
                              f"this repeat's timings are not comparable with the others'")
     return lines
+
+
+def _learner_cpu_share(result: dict[str, Any]) -> float | None:
+    """The learner's mean ``cpu_share`` over the repeat's steps (None: results from before the metric)."""
+    return (result.get("dynamics") or {}).get("cpu_share_all")
 
 
 def sync_time_to(results: dict[str, list[dict[str, Any]]], target: float) -> float | None:

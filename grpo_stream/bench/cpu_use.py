@@ -50,18 +50,6 @@ def stolen(before: Ticks, after: Ticks, cpus: set[int] | None = None) -> float |
     return max(shares) if shares else None
 
 
-def warnings(results: dict[str, list[dict[str, object]]]) -> list[str]:
-    """A line for every repeat of every arm whose stolen share is above :data:`STEAL_WARN`."""
-    lines = []
-    for name, runs in results.items():
-        for k, run in enumerate(runs):
-            share = run.get("cpu_steal")
-            if isinstance(share, float) and share > STEAL_WARN:
-                lines.append(f"{name}, repeat {k + 1}: the host took {share:.0%} of a CPU's time (steal); this "
-                             f"repeat's timings are not comparable with the others'")
-    return lines
-
-
 # ---- CPUs by role ------------------------------------------------------------------------------------------------
 
 

@@ -188,7 +188,7 @@ def _cpu_use(watch: _Watch) -> dict[str, Any]:
     if not watch.cpu:
         return {"cpu_steal": None, "cpu_by_role": {}}
     start, end = watch.cpu[0], watch.cpu[-1] if len(watch.cpu) == 2 else None
-    return {"cpu_steal": cpu_use.stolen(start.machine, (end or cpu_use.Reading()).machine, PINNED),
+    return {"cpu_steal": cpu_use.stolen(start.machine, end.machine if end else cpu_use.read_ticks(), PINNED),
             "cpu_by_role": cpu_use.cpus_by_role(start, end) if end else {}}
 
 

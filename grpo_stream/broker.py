@@ -43,6 +43,13 @@ MIN_JAVA = 17
 KAFKA_MAIN = "kafka.Kafka"
 STORAGE_TOOL = "kafka.tools.StorageTool"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The JIT and the collector of the JVMs this module starts, unless $KAFKA_JVM_PERFORMANCE_OPTS (the variable
+# Kafka's own start scripts read) names others. C1 only: a pipeline's broker spent half of its CPU in the C2
+# compiler, on cores the learner and the producers need, while its hot path (socket reads, CRC32C, file
+# appends) is native code that C2 does not speed up. Serial collector: G1's concurrent threads cost more than
+# they save on a 512 MB heap. Figures: README, "The local broker's JVM".
+JVM_PERF_ENV = "KAFKA_JVM_PERFORMANCE_OPTS"
+JVM_PERF_OPTS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 # Files whose presence marks a directory as ours, so that fresh=True never wipes an unrelated directory.
 _OWNED_MARKERS = ("server.properties", "cluster.id", "broker.json", "kraft-logs", "log4j2.properties")
 _JAR_RE = re.compile(r"^kafka_[0-9.]+-([0-9][0-9A-Za-z.]*)\.jar$")
@@ -95,6 +102,12 @@ def new_cluster_id() -> str:
         cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode("ascii")
         if not cid.startswith("-"):
             return cid
+
+
+def jvm_performance_opts() -> list[str]:
+    """:data:`JVM_PERF_OPTS`, or the words of ``$KAFKA_JVM_PERFORMANCE_OPTS`` when it is set and not blank."""
+    chosen = os.environ.get(JVM_PERF_ENV, "").split()
+    return chosen or list(JVM_PERF_OPTS)
 
 
 def kafka_version(libs_dir: Path) -> str | None:
@@ -456,11 +469,11 @@ class LocalBroker:
         # The config dir on the class path is what the issue asks for; the explicit property wins either way.
         classpath = f"{self.libs_dir}/*{os.pathsep}{self.data_dir}"
         log4j = f"-Dlog4j2.configurationFile={self.log4j_config}"
-        return [log4j, "-Djava.awt.headless=true", "-cp", classpath]
+        return [*jvm_performance_opts(), log4j, "-Djava.awt.headless=true", "-cp", classpath]
 
     def _spawn(self, java: str) -> subprocess.Popen[bytes]:
         xms = min(256, self.heap_mb)
-        cmd = [java, f"-Xms{xms}m", f"-Xmx{self.heap_mb}m", "-XX:+UseG1GC", *self._jvm_common(),
+        cmd = [java, f"-Xms{xms}m", f"-Xmx{self.heap_mb}m", *self._jvm_common(),
                KAFKA_MAIN, str(self.server_properties)]  # fmt: skip
         with open(self.logs_dir / "stdout.log", "wb") as out:
             # Own session: the broker must survive the short-lived CLI process (and its terminal's SIGHUP).

@@ -13,7 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from grpo_stream.broker import DEFAULT_LIBS_DIR, LIBS_ENV, BrokerError, java_executable
+from grpo_stream.broker import DEFAULT_LIBS_DIR, LIBS_ENV, BrokerError, java_executable, jvm_performance_opts
 
 TOOLS = {
     "consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
@@ -33,7 +33,7 @@ def tool_command(name: str, args: list[str], libs_dir: str | None, bootstrap: st
                           f"--jars / set {LIBS_ENV})")
     if not any(a == "--bootstrap-server" or a.startswith("--bootstrap-server=") for a in args):
         args = ["--bootstrap-server", bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or "127.0.0.1:9092", *args]
-    return [java_executable(), "-cp", f"{libs}/*", TOOLS[name], *args]
+    return [java_executable(), *jvm_performance_opts(), "-cp", f"{libs}/*", TOOLS[name], *args]
 
 
 def run_tool(name: str, args: list[str], libs_dir: str | None = None, bootstrap: str | None = None) -> int:

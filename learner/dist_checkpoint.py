@@ -3,12 +3,13 @@
 or absent -- the commit of ``grpo_learner.checkpoint``, extended to N writers.
 
 Layout: ``<dir>/step-00000042/{dcp/{.metadata, __R_0.distcp, ...}, rng/rank-R.pt, trainer.pt, meta.json}``
-(trainer.pt: scheduler, reference model, rank 0's RNG and dedup set; meta.json: the next ``groups`` offsets, the
-step, ``layout: dcp``, the world size). Every rank calls :func:`save` with the same arguments: rank 0 empties the
-temporary directory; every rank writes its shards (DCP's ``save`` returns on all ranks only after the coordinator
-has written ``.metadata``, which it does after every rank's files are written and fsynced) and its RNG state; after
-a barrier rank 0 writes trainer.pt and meta.json and renames the directory into place (``checkpoint.commit``), the
-instant the checkpoint exists. A rank killed at any point before leaves the previous checkpoint the newest.
+(trainer.pt: scheduler, reference model, rank 0's RNG; meta.json: the next ``groups`` offsets, the dedup log's
+position (``grpo_learner.seen_log``), the step, ``layout: dcp``, the world size). Every rank calls :func:`save`
+with the same arguments: rank 0 empties the temporary directory; every rank writes its shards (DCP's ``save``
+returns on all ranks only after the coordinator has written ``.metadata``, which it does after every rank's files
+are written and fsynced) and its RNG state; after a barrier rank 0 writes trainer.pt and meta.json and renames the
+directory into place (``checkpoint.commit``), the instant the checkpoint exists. A rank killed at any point before
+leaves the previous checkpoint the newest.
 Multi-node: ``out_dir`` must be the same shared directory on every node.
 
 ``torch.distributed.checkpoint`` is imported inside :func:`save` and :func:`load`: it costs 0.5-0.9 s of CPU at

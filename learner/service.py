@@ -32,6 +32,7 @@ from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.parallel import Env
 from grpo_learner.publish import metadata_payloads, safetensors_payload, tensors_payload
 from grpo_learner.ranks import Command, Leader, follow
+from grpo_learner.seen_log import SeenLog
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
 from grpo_learner.trainer import StepStats, Trainer, load_model
 
@@ -97,6 +98,7 @@ class Learner:
                                          cfg.pipeline.topic("weight_data"), cfg.pipeline.run,
                                          contract=cfg.pipeline.digest())
         self.lineage = Lineage(self.out / "lineage.jsonl")
+        self.seen_log = SeenLog(self.out / "checkpoints", cfg.dedup_window)
         self.stopping = False
         self.liveness, self._lag_at, self._last_lag = Liveness(cfg.metrics.stall_s), 0.0, 0
         self.last_group_at = time.monotonic()
@@ -114,9 +116,17 @@ class Learner:
                 self._tell(Command.RESTORE, str(self.ckpt.path))
                 state = dist_checkpoint.load(self.ckpt.path, self.trainer, self.env)
             self.step = self.ckpt.step
-            self.source.restore_seen(state["seen"])
+            ref = self.ckpt.meta.get("seen_log")
+            if ref is not None:
+                seen = self.seen_log.restore(ref)
+            else:  # a checkpoint from before the dedup log: trainer.pt holds the set
+                seen = state["seen"]
+                self.seen_log.start(seen)
+            self.source.restore_seen(seen)
             offsets = {int(p): int(o) for p, o in self.ckpt.meta["offsets"].items()}
             log.info("resumed from %s (step %d, offsets %s)", self.ckpt.path, self.step, offsets)
+        else:
+            self.seen_log.start([])
         # Lineage lines past the checkpoint describe updates that died with the previous process.
         dropped = self.lineage.truncate_after(self.step, offsets or {})
         if dropped:
@@ -238,19 +248,20 @@ class Learner:
     def save_checkpoint(self) -> float:
         t0 = time.perf_counter()
         self.lineage.sync()
+        seen = self.seen_log.append(self.source.take_unsaved(), self.source.seen)  # durable before the commit
         meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.pipeline.run,
-                "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time()}
+                "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time(), "seen_log": seen}
         root, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
         if self.env is None:
-            state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state(), "seen": list(self.source.seen)}
+            state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state()}
             files = {MODEL_FILE: safetensors_payload(self.trainer.model), **self.model_files}
             path = checkpoint.save(root, self.step, {"model": files}, state, meta, keep=keep)
         else:
             self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
-            saved = dist_checkpoint.save(root, self.step, self.trainer, self.env, {"seen": list(self.source.seen)},
-                                         meta, keep)
+            saved = dist_checkpoint.save(root, self.step, self.trainer, self.env, {}, meta, keep)
             assert saved is not None  # rank 0 commits
             path, meta = saved, {**meta, "layout": "dcp"}
+        self.seen_log.gc(root.glob("step-*"))
         self.ckpt = checkpoint.Checkpoint(path, {**meta, "step": self.step})
         return time.perf_counter() - t0
 
@@ -275,6 +286,7 @@ class Learner:
         self.publisher.close()
         self.sender.close()
         self.lineage.close()
+        self.seen_log.close()
         self.metrics.close()
 
 

@@ -66,6 +66,7 @@ class GroupSource:
         self.queue: deque[Item] = deque()
         self.position: dict[int, int] = {}  # next offset per partition, of what batches accounted for
         self.seen: OrderedDict[str, None] = OrderedDict()  # trained group ids (duplicates are ignored)
+        self.unsaved: list[str] = []  # the ones trained since the last checkpoint (``grpo_learner.seen_log``)
         self.dedup_window = dedup_window
         self.newest_announced = -1  # the highest version this run has announced (the learner keeps it current)
         self.visible: dict[int, int] = {}  # the consumer group's committed offsets (for lag and backpressure)
@@ -122,6 +123,12 @@ class GroupSource:
 
     def restore_seen(self, ids: list[str]) -> None:
         self.seen = OrderedDict.fromkeys(ids[-self.dedup_window:])
+        self.unsaved = []
+
+    def take_unsaved(self) -> list[str]:
+        """The ids trained since the last call, for the checkpoint being written."""
+        ids, self.unsaved = self.unsaved, []
+        return ids
 
     # ---- batches -----------------------------------------------------------------------------------
     def next_batch(self, step: int, size: int, should_stop: Callable[[], bool], poll_ms: int,
@@ -241,6 +248,7 @@ class GroupSource:
 
     def _remember(self, group_id: str) -> None:
         self.seen[group_id] = None
+        self.unsaved.append(group_id)
         while len(self.seen) > self.dedup_window:
             self.seen.popitem(last=False)
 

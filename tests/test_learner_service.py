@@ -229,6 +229,74 @@ def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kaf
     assert checkpoint.load_latest(out / "checkpoints").meta["offsets"] == {"0": 6}
 
 
+def test_the_dedup_set_survives_restarts_in_a_log_each_checkpoint_appends_to(
+        tmp_path: Path, kafka_cfg: KafkaConfig, admin: KafkaAdminClient, unique: Callable) -> None:
+    """A group delivered again after a restart is dropped as a duplicate, through the dedup log beside the
+    checkpoints: each checkpoint appends the ids trained since the last one (before, each pickled the whole
+    window, ~1 s at 1M ids), and a checkpoint written before the log (the set in trainer.pt) still resumes."""
+    import torch
+
+    from grpo_core.config import load_config
+    from grpo_learner.config import LearnerConfig
+    from grpo_learner.service import Learner
+
+    plan = PipelineContract(run=unique("dedup"), group_size=G, max_staleness=-1)
+    plan.topics.groups.partitions = 1
+    ensure_topics(admin, plan)
+    rng = np.random.default_rng(5)
+    producer = make_producer(kafka_cfg, "test")
+
+    def send(*ids: str) -> None:
+        for gid in ids:
+            g = synthetic_group(gid, version=0, rng=rng)
+            producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
+        producer.flush()
+
+    out, model = tmp_path / "run", build_tiny_model(tmp_path / "model")
+    base = [f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={model}", "metrics.port=-1",
+            f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=100",
+            f"pipeline.run={plan.run}", f"pipeline.group_size={G}", "pipeline.max_staleness=-1",
+            "pipeline.topics.groups.partitions=1"]
+
+    def run(max_steps: int) -> checkpoint.Checkpoint:
+        learner = Learner(load_config(LearnerConfig, None, [*base, f"max_steps={max_steps}"]))
+        try:
+            learner.restore()
+            learner.run()
+        finally:
+            learner.close()
+        latest = checkpoint.load_latest(out / "checkpoints")
+        assert latest is not None and latest.step == max_steps
+        return latest
+
+    send("s0@e0r0", "s1@e0r0", "s2@e0r0", "s3@e0r0")
+    first = run(1)
+    assert first.meta["seen_log"] == {"file": "seen-00000001.jsonl", "count": 2}
+    assert "seen" not in first.trainer_state()
+    run(2)
+    send("s0@e0r0", "s4@e0r0", "s5@e0r0")  # s0 again, as a verifier restarted after its publish might
+    third = run(3)
+    log = out / "checkpoints" / "seen-00000001.jsonl"
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [f"s{i}@e0r0" for i in range(6)]
+
+    # The layout before the log: the whole set in trainer.pt, no seen_log in meta.json.
+    state = third.trainer_state()
+    torch.save({**state, "seen": [f"s{i}@e0r0" for i in range(6)]}, third.path / "trainer.pt")
+    meta = json.loads((third.path / "meta.json").read_text())
+    del meta["seen_log"]
+    (third.path / "meta.json").write_text(json.dumps(meta))
+    log.unlink()
+    send("s1@e0r0", "s6@e0r0", "s7@e0r0")
+    fourth = run(4)
+    assert fourth.meta["seen_log"] == {"file": "seen-00000001.jsonl", "count": 8}
+    lines = list(read_lines(out / "lineage.jsonl"))
+    trained = [e["group_id"] for line in lines for e in line["trained"]]
+    assert trained == [f"s{i}@e0r0" for i in range(8)]
+    dropped = [(e["group_id"], e["reason"]) for line in lines for e in line["dropped"]]
+    assert dropped == [("s0@e0r0", "duplicate"), ("s1@e0r0", "duplicate")]
+    producer.close()
+
+
 def test_a_tail_of_only_stale_groups_is_accounted_for_without_a_step(tmp_path: Path, kafka_cfg: KafkaConfig,
                                                                      admin: KafkaAdminClient,
                                                                      unique: Callable) -> None:

@@ -182,24 +182,14 @@ def _announcements(kafka_cfg: KafkaConfig, topic: str, run: str) -> list[wire.We
     return [a for a in out if a.run == run]
 
 
-def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kafka_cfg: KafkaConfig,
-                                                              admin: KafkaAdminClient, unique: Callable,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    """The checkpoint wins over the consumer group; skipping is deliberate: ``skip_to`` moves the learner past
-    records, records the range as operator_skip and checkpoints, so every offset stays accounted for once."""
+def _in_process_learner(tmp_path: Path, kafka_cfg: KafkaConfig,
+                        plan: PipelineContract) -> tuple[Path, Callable[..., None]]:
+    """(out_dir, run(*overrides)): a learner in this process on ``plan``'s one groups partition, B groups a step,
+    run from its checkpoint to its max_steps and closed."""
     from grpo_core.config import load_config
     from grpo_learner.config import LearnerConfig
     from grpo_learner.service import Learner
 
-    plan = PipelineContract(run=unique("skip"), group_size=G, max_staleness=-1)
-    plan.topics.groups.partitions = 1
-    ensure_topics(admin, plan)
-    rng = np.random.default_rng(3)
-    producer = make_producer(kafka_cfg, "test")
-    for i in range(6):
-        g = synthetic_group(f"s{i}@e0r0", version=0, rng=rng)
-        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
-    producer.close()
     out, model = tmp_path / "run", build_tiny_model(tmp_path / "model")
     base = [f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={model}", "metrics.port=-1",
             f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=100",
@@ -214,6 +204,24 @@ def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kaf
         finally:
             learner.close()
 
+    return out, run
+
+
+def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                              admin: KafkaAdminClient, unique: Callable,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint wins over the consumer group; skipping is deliberate: ``skip_to`` moves the learner past
+    records, records the range as operator_skip and checkpoints, so every offset stays accounted for once."""
+    plan = PipelineContract(run=unique("skip"), group_size=G, max_staleness=-1)
+    plan.topics.groups.partitions = 1
+    ensure_topics(admin, plan)
+    rng = np.random.default_rng(3)
+    producer = make_producer(kafka_cfg, "test")
+    for i in range(6):
+        g = synthetic_group(f"s{i}@e0r0", version=0, rng=rng)
+        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
+    producer.close()
+    out, run = _in_process_learner(tmp_path, kafka_cfg, plan)
     run("max_steps=1")  # trains offsets 0, 1
     run("max_steps=2", "skip_to={0: 4}")  # skips 2, 3; trains 4, 5
     reset = make_consumer(kafka_cfg, "test", plan.group("learner"))  # an operator resets the group to 0
@@ -236,10 +244,6 @@ def test_the_dedup_set_survives_restarts_in_a_log_each_checkpoint_appends_to(
     window, ~1 s at 1M ids), and a checkpoint written before the log (the set in trainer.pt) still resumes."""
     import torch
 
-    from grpo_core.config import load_config
-    from grpo_learner.config import LearnerConfig
-    from grpo_learner.service import Learner
-
     plan = PipelineContract(run=unique("dedup"), group_size=G, max_staleness=-1)
     plan.topics.groups.partitions = 1
     ensure_topics(admin, plan)
@@ -252,19 +256,10 @@ def test_the_dedup_set_survives_restarts_in_a_log_each_checkpoint_appends_to(
             producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
         producer.flush()
 
-    out, model = tmp_path / "run", build_tiny_model(tmp_path / "model")
-    base = [f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={model}", "metrics.port=-1",
-            f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=100",
-            f"pipeline.run={plan.run}", f"pipeline.group_size={G}", "pipeline.max_staleness=-1",
-            "pipeline.topics.groups.partitions=1"]
+    out, run_learner = _in_process_learner(tmp_path, kafka_cfg, plan)
 
     def run(max_steps: int) -> checkpoint.Checkpoint:
-        learner = Learner(load_config(LearnerConfig, None, [*base, f"max_steps={max_steps}"]))
-        try:
-            learner.restore()
-            learner.run()
-        finally:
-            learner.close()
+        run_learner(f"max_steps={max_steps}")
         latest = checkpoint.load_latest(out / "checkpoints")
         assert latest is not None and latest.step == max_steps
         return latest

@@ -442,6 +442,23 @@ def test_latest_announcement(kafka_cfg: KafkaConfig, topics: Topics, tmp_path: P
             p.close()
 
 
+def test_the_publisher_sends_without_lingering(kafka_cfg: KafkaConfig, topics: Topics, tmp_path: Path) -> None:
+    """The learner waits for its announcement's ack at every publish, and a weight chunk fills a batch on its
+    own: lingering for more records to batch with only delays them. With the clients' 5 ms an announcement took
+    10.5 ms of the learner's step (1.6 ms of it CPU), without it 5.0 ms."""
+    pub = _pub(_fs_cfg(tmp_path), kafka_cfg, topics, "run-l")
+    other = make_producer(kafka_cfg, "test")
+    try:
+        assert pub.producer.config["linger_ms"] == 0
+        assert other.config["linger_ms"] == 5  # the other roles' records are sent many at a time
+        ann = _ann("run-l", 1)
+        pub.announce(ann)
+        assert latest_announcement(kafka_cfg, topics.weights, "run-l") == ann
+    finally:
+        other.close()
+        pub.close()
+
+
 # ------------------------------------------------------------------------------------------ the swap benchmark
 
 

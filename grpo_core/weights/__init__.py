@@ -97,7 +97,9 @@ class WeightPublisher:
     def producer(self) -> Producer:
         """Created on first use: an fs publisher that never announces (tests, tools) needs no broker."""
         if self._producer is None:
-            self._producer = make_producer(self.kafka, "weights", compression_type=None)
+            # No linger: an announcement is awaited at once (5 ms of the learner's step at every publish) and a
+            # chunk fills a batch alone, so waiting for records to batch with only delays them.
+            self._producer = make_producer(self.kafka, "weights", compression_type=None, linger_ms=0)
         return self._producer
 
     def publish(self, version: int,

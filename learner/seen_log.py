@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from grpo_core.fsutil import fsync_dir
+from grpo_core.weights.common import write_all
 
 FILE = re.compile(r"seen-(\d{8})\.jsonl")
 
@@ -84,7 +85,7 @@ class SeenLog:
             self._write_generation(self.generation + 1, list(window)[-self.window:])
         elif ids:
             assert self._file is not None, "start() or restore() first"
-            self._file.write(b"".join(json.dumps(i).encode() + b"\n" for i in ids))
+            write_all(self._file, b"".join(json.dumps(i).encode() + b"\n" for i in ids))  # unbuffered: may be short
             os.fsync(self._file.fileno())
             self.count += len(ids)
         return self.ref()

@@ -12,11 +12,13 @@ whole machine (the "hybrid engine" setting), each phase has every core.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,14 +76,16 @@ def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float
     os.sched_setaffinity(0, train_cpus)
     torch.set_num_threads(len(train_cpus))
     try:
-        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag, gen_cpus | train_cpus)
+        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag, (gen_cpus, train_cpus))
     finally:
         engine.close()
 
 
 def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[str], budget_s: float, out: Path,
-          snapshots: int, lag: int, cpus: set[int]) -> SyncRun:
+          snapshots: int, lag: int, pinned: tuple[set[int], set[int]]) -> SyncRun:
     from transformers import AutoTokenizer
+
+    gen_cpus, cpus = pinned[0], pinned[0] | pinned[1]
 
     tok = AutoTokenizer.from_pretrained(pcfg.backend.tokenizer or pcfg.backend.model)
     prompts, answers = task_items(tasks, "train")
@@ -100,7 +104,8 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
         rng.shuffle(order)
         picks, order = order[:b], order[b:]
         t0 = time.perf_counter()
-        generated.append((picks, engine.generate([ids[i] for i in picks], g, sampling), res.steps))
+        with _on(gen_cpus, pinned[1]):
+            generated.append((picks, engine.generate([ids[i] for i in picks], g, sampling), res.steps))
         res.gen_s += time.perf_counter() - t0
         res.tokens += sum(len(x.token_ids) for group in generated[-1][1] for x in group)
         if len(generated) <= lag:  # lag > 0: the first batches wait until they are `lag` versions old
@@ -111,7 +116,8 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
                   for i, s in zip(picks, samples, strict=True)]
         res.step_metrics.append(trainer.train_step(groups).metrics)
         _save(trainer.model, weights_dir)
-        engine.load_weights(weights_dir)
+        with _on(gen_cpus, pinned[1]):
+            engine.load_weights(weights_dir)
         res.train_s += time.perf_counter() - t0
         res.steps += 1
         now = time.perf_counter() - start
@@ -122,6 +128,18 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
     res.cpu_steal, res.cpu_by_role = cpu_use.stolen(cpu.machine, end.machine, cpus), cpu_use.cpus_by_role(cpu, end)
     res.snapshots.append((res.wall_s, res.steps, _snapshot(trainer.model, out / "snapshots" / "final")))
     return res
+
+
+@contextlib.contextmanager
+def _on(cpus: set[int], back: set[int]) -> Iterator[None]:
+    """Run the block's host side on ``cpus``: the calling thread submits the requests and processes the engine's
+    outputs (vLLM's front end), which the pipeline's producer does on its own pinned core. Left on the learner's
+    CPUs, S's generation had a second core that no pipeline arm has (2026-12-04: see the README)."""
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, back)
 
 
 def _warm_up(engine: Any, prompts: list[list[int]], g: int, sampling: Any, model: torch.nn.Module,

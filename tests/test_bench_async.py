@@ -229,7 +229,9 @@ def test_a_one_token_task_is_refused_before_anything_runs(tmp_path: Path) -> Non
 def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_generated_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lag: int) -> None:
     """S (lag 0) and S-lag2's loop with a stand-in engine and the real trainer on the tiny model: step k trains the
-    batch generated under the weights of step k - lag (the first steps: the warm start's), and says so."""
+    batch generated under the weights of step k - lag (the first steps: the warm start's), and says so. The engine
+    is driven from the generation CPUs (as the pipeline's pinned producer drives its own), the trainer runs on the
+    learner's."""
     import numpy as np
     from transformers import AutoTokenizer
 
@@ -246,10 +248,15 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]
     roles = role_configs(ab.base_config(model, tmp_path / "o", ab.EXTRA_ARMS[0], 2.0), "unused:9092")
 
+    every = os.sched_getaffinity(0)
+    gen_cpus = {min(every)}
+    placed: set[tuple[str, frozenset[int]]] = set()  # (what ran, on which CPUs)
+
     class Engine:  # each batch's logprobs say how many weight loads it was generated after
         loads = 0
 
         def generate(self, prompts: list, g: int, sampling: object) -> list:
+            placed.add(("generate", frozenset(os.sched_getaffinity(0))))
             rng = np.random.default_rng(self.loads)
             samples = [np.asarray([*rng.choice(digits, int(rng.integers(1, 4))), tok.eos_token_id], np.int32)
                        for _ in range(len(prompts) * g)]
@@ -258,6 +265,7 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
                     for i in range(len(prompts))]
 
         def load_weights(self, path: Path) -> Path:
+            placed.add(("load_weights", frozenset(os.sched_getaffinity(0))))
             self.loads += 1
             return path
 
@@ -267,11 +275,15 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
         def train_step(self, groups: list) -> object:
             c = groups[0].completions[0]
             trained.append((groups[0].policy_version, round(-float(c.behaviour_logprobs[0]) / 0.01) - 1))
+            placed.add(("train_step", frozenset(os.sched_getaffinity(0))))
             return super().train_step(groups)
 
     pcfg, lcfg = build(ProducerConfig, roles["producer"], "producer"), build(LearnerConfig, roles["learner"], "learner")
     monkeypatch.setattr(async_sync, "Trainer", Recording)
-    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag, {0})
+    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag, (gen_cpus, every))
+    assert os.sched_getaffinity(0) == every
+    assert placed == {("generate", frozenset(gen_cpus)), ("load_weights", frozenset(gen_cpus)),
+                      ("train_step", frozenset(every))}
     assert res.steps == len(trained) == len(res.step_metrics) >= 3
     # the warm-up loaded the weights once: step k's batch came after 1 + max(0, k - lag) loads, labelled as such
     assert trained == [(max(0, k - lag), 1 + max(0, k - lag)) for k in range(len(trained))]

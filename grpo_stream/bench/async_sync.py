@@ -94,7 +94,8 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
     sampling, g, b = pcfg.sampling_params(), pcfg.pipeline.group_size, lcfg.groups_per_batch
     order, rng, res = list(range(len(prompts))), random.Random(lcfg.seed), SyncRun()
     weights_dir = out / "weights"
-    res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
+    with _on(gen_cpus, pinned[1]):
+        res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
     generated: deque[tuple[list[int], list[Any], int]] = deque()  # (prompts, samples, version), oldest first
     start, cpu = time.perf_counter(), cpu_use.read({"S": os.getpid()})  # S's tree: its engine's processes too
     res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))

@@ -112,8 +112,9 @@ def pipeline(L: Names, P: Names, F: Names, V: Names) -> Dashboard:
         Panel("Weight swap latency (announcement → first completion)", [
             (_quantile(0.5, P.swap_latency, "30m"), "p50"), (_quantile(0.95, P.swap_latency, "30m"), "p95"),
             (_mean(P.swap_load, "30m"), "mean load time")], "s"),
-        Panel("Backpressure: fraction of time paused, by reason", [
-            (f"sum by (reason) ({_rate(P.paused)})", "{{reason}}")], "percentunit"),
+        Panel("Backpressure: fraction of time paused, by reason (and starved of prompts)", [
+            (f"sum by (reason) ({_rate(P.paused)})", "{{reason}}"),
+            (f"sum({_rate(P.starved)})", "no prompt to take (feeder behind)")], "percentunit"),
         Panel("Backlog seen by producers (groups)", [(P.backlog, "{{instance}}")]),
         Panel("Learner step time by phase (mean)", [(_mean(L.phase, RATE, by="phase"), "{{phase}}")], "s"),
         Panel("Generation batch time p95 / errors", [

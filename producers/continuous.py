@@ -91,6 +91,7 @@ class ContinuousLoop:
         self._committed: dict[Partition, int] = {}
         self._reason, self._checked_at = "", 0.0
         self._busy_at = time.perf_counter()
+        self._starved_at: float | None = None  # when a take found no prompt while there was room
         log.info("continuous generation: up to %d groups in flight", self.limit)
 
     def run(self) -> int:
@@ -132,9 +133,14 @@ class ContinuousLoop:
     def _admit(self) -> bool:
         """Take prompts while there is room and backpressure allows; True if any was read."""
         room = self.limit - len(self.flight)
+        if self._starved_at is not None:
+            self.p.metrics.starved.inc(time.perf_counter() - self._starved_at)
+            self._starved_at = None
         if room <= 0 or self._held_back():
             return False
         jobs, next_offsets = self.p.take_prompts(limit=room, timeout_ms=0 if self.flight else 200)
+        if not next_offsets:
+            self._starved_at = time.perf_counter()
         for tp, end in next_offsets.items():
             self.marks.read(tp, end)
         for job in jobs:

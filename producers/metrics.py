@@ -33,6 +33,8 @@ class ProducerMetrics:
         self.engine_busy = Counter(p + "engine_busy_seconds_total", "Seconds with at least one group in the "
                                    "engine (weights.swap=inflight); its rate is the engine's busy fraction",
                                    registry=r)
+        self.starved = Counter(p + "starved_seconds_total", "Seconds with room in the engine, not held back, and no "
+                               "prompt to take (weights.swap=inflight): the feeder is not keeping ahead", registry=r)
         self.aborted_stale = Counter(p + "aborted_stale_total", "Groups aborted in the engine and generated again "
                                      "because their oldest version fell more than pipeline.max_staleness behind "
                                      "the newest announced one (the learner would drop them)", registry=r)

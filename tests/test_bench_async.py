@@ -145,6 +145,23 @@ def test_cpus_by_role_split_the_machines_busy_time(tmp_path: Path) -> None:
     assert cpu_use.read({"me": os.getpid()}).roles["me"] > 0
 
 
+def test_the_seconds_a_producer_was_held_back_are_read_per_reason_and_reported(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    scrape = ("# HELP grpo_stream_producer_tokens_total Tokens generated\n"
+              "grpo_stream_producer_tokens_total 1234.0\n"
+              'grpo_stream_producer_paused_seconds_total{reason="backlog"} 3.5\n'
+              'grpo_stream_producer_paused_seconds_total{reason="version_lag"} 0.25\n'
+              "grpo_stream_producer_paused_seconds_created 1.7e+09\n")
+    found = ab.producer_metrics(scrape)
+    assert found[ab.HELD + ":backlog"] == 3.5 and found[ab.HELD + ":version_lag"] == 0.25
+    assert found["grpo_stream_producer_tokens_total"] == 1234.0
+    runs = {"S": [fake([(0, 0.3)], gen_s=1, train_s=1)],
+            "P v1 inflight": [{**fake([(0, 0.3)]), "held_back": {"backlog": b}} for b in (0.1, 0.3, 0.2)]}
+    summary = ar.report(runs, 0.6, tmp_path)
+    assert summary["held_back"] == {"S": {}, "P v1 inflight": {"backlog": 0.2}}
+    assert "P v1 inflight: backlog 0.200" in capsys.readouterr().out
+
+
 def test_the_report_names_each_repeat_the_machine_held_up(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     runs = {"S": [fake([(0, 0.3), (4, 0.6), (5, 0.6)], 1.0, 1.0) | {"cpu_steal": 0.004}],

@@ -92,6 +92,35 @@ def test_a_sent_group_is_done_only_once_every_ack_is_in() -> None:
     assert loop.published == 3 and loop.marks.commit_points() == {tp: 13}
 
 
+def test_room_in_the_engine_with_no_prompt_to_take_counts_as_starved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``starved_seconds_total`` counts from a take that found no prompt, while there was room and no backpressure,
+    to the next turn: how long the feeder left the engine short of work. A take that reads an offset, a full
+    engine and backpressure stop the count."""
+    from types import SimpleNamespace
+
+    from grpo_producers import continuous
+    from grpo_producers.continuous import ContinuousLoop
+
+    clock = [0.0]
+    monkeypatch.setattr(continuous.time, "perf_counter", lambda: clock[0])
+    tp = TopicPartition("p", 0)
+    starved: list[float] = []
+    takes = iter([([], {}), ([], {tp: 5}), ([], {}), ([], {}), ([], {tp: 6})])
+    loop = ContinuousLoop.__new__(ContinuousLoop)
+    loop.p = SimpleNamespace(take_prompts=lambda limit, timeout_ms: next(takes), last_prompt_at=0.0,
+                             metrics=SimpleNamespace(starved=SimpleNamespace(inc=starved.append)))
+    loop.limit, loop.flight, loop.marks, loop._starved_at = 2, {}, PromptWatermark(), None
+    held = [False]
+    loop._held_back = lambda: held[0]
+    for at, full, hold in [(0.0, False, False), (0.5, False, False), (1.0, False, False), (1.25, True, False),
+                           (2.0, False, False), (2.5, False, True), (3.0, False, False)]:
+        clock[0], held[0] = at, hold
+        loop.flight = {"a": None, "b": None} if full else {}
+        loop._admit()
+    # 0 -> 0.5 starved; 0.5 read an offset; 1.0 -> 1.25 starved, then full; 2.0 -> 2.5, then held back
+    assert starved == [0.5, 0.25, 0.5] and loop._starved_at is None
+
+
 def test_swap_mode_resolves_per_backend_and_refuses_inflight_without_an_engine() -> None:
     base = ["backend.model=/m"]
     assert load_config(ProducerConfig, None, base).swap_mode == "between_batches"  # hf: batch path only

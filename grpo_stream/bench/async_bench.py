@@ -52,6 +52,9 @@ TASK = "copy_short"
 EVAL_POINTS = 60
 GEN_CPU, TRAIN_CPU = 0, 1  # generation's and learning's CPU in every arm (S-hybrid: both for both)
 PINNED = {GEN_CPU, TRAIN_CPU}
+# The producer's seconds held back by backpressure, per reason: what keeps an in-flight engine idle on purpose
+# (reported beside its seconds with room and no prompt to take, "no_prompts").
+HELD = "grpo_stream_producer_paused_seconds_total"
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,14 @@ def run_sync_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: str) -
             "points": [(t, step, str(p)) for t, step, p in res.snapshots]}
 
 
+def producer_metrics(text: str) -> dict[str, float]:
+    """The producer's unlabelled metrics from a Prometheus scrape, and its seconds held back as ``HELD:reason``."""
+    found = {k: float(v) for k, v in re.findall(r"^(grpo_stream_producer_\w+) ([0-9.e+-]+)$", text, re.M)}
+    found.update({f"{HELD}:{why}": float(v)
+                  for why, v in re.findall(rf'^{HELD}\{{reason="(\w+)"\}} ([0-9.e+-]+)$', text, re.M)})
+    return found
+
+
 class _Watch:
     """The supervisor's tick for a pipeline arm: scrape the producer, stop ``budget_s`` after its first token."""
 
@@ -135,7 +146,7 @@ class _Watch:
                 text = urllib.request.urlopen(self.url, timeout=2).read().decode()
             except OSError:
                 return False
-            self.last = {k: float(v) for k, v in re.findall(r"^(grpo_stream_producer_\w+) ([0-9.e+-]+)$", text, re.M)}
+            self.last = producer_metrics(text)
             if self.t0 is None and self.last.get("grpo_stream_producer_tokens_total", 0) > 0:
                 self.t0, self.at_t0 = time.time(), dict(self.last)
                 self.cpu = [cpu_use.read(cpu_use.role_pids(self.run_dir))]
@@ -177,6 +188,9 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
             "engine_busy": min(1.0, gen / wall), "learner_busy": min(1.0, busy / wall),
             "mean_staleness": statistics.fmean(trained) if trained else 0.0,
             "aborted_stale": since_t0("aborted_stale_total"),
+            "held_back": {**{k.split(":", 1)[1]: round(min(1.0, (v - watch.at_t0.get(k, 0.0)) / wall), 4)
+                             for k, v in watch.last.items() if k.startswith(HELD + ":")},
+                          "no_prompts": round(min(1.0, since_t0("starved_seconds_total") / wall), 4)},
             **_cpu_use(watch),
             "dynamics": dynamics(sorted(inside, key=lambda m: m["step"])),
             "points": [(max(0.0, t), step, str(d)) for t, step, d in versions if t <= wall]}

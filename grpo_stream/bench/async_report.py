@@ -103,12 +103,13 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     print(f"best pipeline ratio to S: {_fmt(best)} (target <= 0.65); ideal {_fmt(ideal)}; "
           f"gap {_fmt(None if best is None or ideal is None else best / ideal)} (target <= 1.15)")
     cpus = cpu_table(results)
+    held = held_back_table(results)
     sensitivity = ratios_by_target(results, sorted({round(target + d, 2) for d in (-0.1, -0.05, 0.0, 0.05, 0.1)}))
     warmup = statistics.fmean(r.get("warmup_s", 0.0) for r in s_runs) if s_runs else None  # outside S's clock
     summary = {"target": target, "ideal_ratio": ideal, "sync_gen_s": gen, "sync_train_s": train,
                "sync_warmup_s": warmup,
                "best_pipeline_ratio": best, "arms": table, "ratio_by_target": sensitivity,
-               "dynamics": dynamics_table(results), "cpu_by_role": cpus,
+               "dynamics": dynamics_table(results), "cpu_by_role": cpus, "held_back": held,
                "curves": {k: [r["curve"] for r in v] for k, v in results.items()}}
     (out / "async.json").write_text(json.dumps(summary, indent=2))
     _plot(results, target, out / "async.png")
@@ -129,6 +130,23 @@ def cpu_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
         for name, row in table.items():
             if row:
                 print("  " + format_cpus(name, row))
+    return table
+
+
+def held_back_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """The share of a pipeline arm's clock its producer left room in the engine unfilled, per reason (median of
+    repeats): held back on purpose because the learner has enough queued ("backlog") or the producer's weights are
+    too old ("version_lag"), or for want of work: no prompt to take ("no_prompts", in-flight swaps only)."""
+    table: dict[str, dict[str, float]] = {}
+    for name, runs in results.items():
+        reasons = sorted({r for run in runs for r in run.get("held_back") or {}})
+        table[name] = {r: _median([(run.get("held_back") or {}).get(r) for run in runs]) for r in reasons}
+    if any(table.values()):
+        print("share of the clock the producer left room in its engine unfilled, by reason (held back by "
+              "backpressure: backlog, version_lag; no prompt to take: no_prompts):")
+        for name, row in table.items():
+            if row:
+                print(f"  {name}: " + ", ".join(f"{r} {v:.3f}" for r, v in row.items() if v is not None))
     return table
 
 

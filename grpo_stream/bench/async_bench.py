@@ -22,7 +22,8 @@ Printed per arm: time-to-target and its ratio to S, learner steps to the target,
 tokens/s, engine and learner busy fractions, mean staleness, the largest share of a CPU's time the host took
 (steal) and the learner's share of its step time on a CPU (a repeat held up by either is named); the ideal
 ratio max(gen, train) / (gen + train) from S's own phase times; and each pipeline arm's ratio at targets around
-the chosen one (the report: :mod:`.async_report`).
+the chosen one, and the share of each pipeline arm's clock its producer left room in the engine unfilled, held
+back by backpressure or with no prompt to take (the report: :mod:`.async_report`).
 Written: ``async.json`` and ``async.png`` (held-out reward vs wall-clock, one line per arm).
 """
 

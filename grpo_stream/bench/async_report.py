@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,38 +117,38 @@ def report(results: dict[str, list[dict[str, Any]]], target: float, out: Path) -
     return summary
 
 
+def medians_by_key(results: dict[str, list[dict[str, Any]]], field: str, title: str,
+                   line: Callable[[str, dict[str, Any]], str]) -> dict[str, dict[str, float]]:
+    """Per arm, the median over its repeats of each key of the dict-valued ``field`` (a repeat without it: None),
+    printed under ``title`` a ``line`` per arm that has any."""
+    table: dict[str, dict[str, float]] = {}
+    for name, runs in results.items():
+        keys = sorted({k for run in runs for k in run.get(field) or {}})
+        table[name] = {k: _median([(run.get(field) or {}).get(k) for run in runs]) for k in keys}
+    if any(table.values()):
+        print(title)
+        for name, row in table.items():
+            if row:
+                print("  " + line(name, row))
+    return table
+
+
 def cpu_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """CPUs each role's process tree used while an arm's clock ran (median of repeats), a line per arm: what the
     pipeline's own machinery (broker, verifier, feeder, the producer's Kafka side) takes from generation and
     learning on this machine, which S does not pay."""
-    table: dict[str, dict[str, float]] = {}
-    for name, runs in results.items():
-        roles = sorted({r for run in runs for r in run.get("cpu_by_role") or {}})
-        table[name] = {r: _median([(run.get("cpu_by_role") or {}).get(r) for run in runs]) for r in roles}
-    if any(table.values()):
-        print("CPUs used while the clock ran, by process tree (a producer's includes its vLLM engine; rest: the "
-              "broker, the supervisor, the OS):")
-        for name, row in table.items():
-            if row:
-                print("  " + format_cpus(name, row))
-    return table
+    return medians_by_key(results, "cpu_by_role", "CPUs used while the clock ran, by process tree (a producer's "
+                          "includes its vLLM engine; rest: the broker, the supervisor, the OS):", format_cpus)
 
 
 def held_back_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
     """The share of a pipeline arm's clock its producer left room in the engine unfilled, per reason (median of
     repeats): held back on purpose because the learner has enough queued ("backlog") or the producer's weights are
     too old ("version_lag"), or for want of work: no prompt to take ("no_prompts", in-flight swaps only)."""
-    table: dict[str, dict[str, float]] = {}
-    for name, runs in results.items():
-        reasons = sorted({r for run in runs for r in run.get("held_back") or {}})
-        table[name] = {r: _median([(run.get("held_back") or {}).get(r) for run in runs]) for r in reasons}
-    if any(table.values()):
-        print("share of the clock the producer left room in its engine unfilled, by reason (held back by "
-              "backpressure: backlog, version_lag; no prompt to take: no_prompts):")
-        for name, row in table.items():
-            if row:
-                print(f"  {name}: " + ", ".join(f"{r} {v:.3f}" for r, v in row.items() if v is not None))
-    return table
+    return medians_by_key(results, "held_back", "share of the clock the producer left room in its engine unfilled, "
+                          "by reason (held back by backpressure: backlog, version_lag; no prompt to take: no_prompts):",
+                          lambda name, row: f"{name}: " + ", ".join(
+                              f"{r} {v:.3f}" for r, v in row.items() if v is not None))
 
 
 def held_up(results: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -121,6 +121,31 @@ def test_room_in_the_engine_with_no_prompt_to_take_counts_as_starved(monkeypatch
     assert starved == [0.5, 0.25, 0.5] and loop._starved_at is None
 
 
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_the_loop_swaps_with_the_configured_kv_rule(kv: str) -> None:
+    """``weights.inflight_kv`` reaches the engine's swap (the vLLM tests check what each rule does there)."""
+    from types import SimpleNamespace
+
+    from grpo_producers.continuous import ContinuousLoop
+
+    swaps: list[tuple[Path, int, str]] = []
+    cfg = load_config(ProducerConfig, None, ["backend.model=/m", "backend.kind=vllm", f"weights.inflight_kv={kv}"])
+    newest = SimpleNamespace(version=3)
+    weights = SimpleNamespace(poll=lambda: None, newest=newest, version=2, newest_version=3)
+    observed: list[float] = []
+    p = SimpleNamespace(
+        weights=weights, try_swap=lambda load: load(Path("/w/v3")) or SimpleNamespace(announced_at=0.0),
+        metrics=SimpleNamespace(swap_latency=SimpleNamespace(observe=observed.append),
+                                newest_version=SimpleNamespace(set=lambda v: None)))
+    loop = ContinuousLoop.__new__(ContinuousLoop)
+    loop.p, loop.cfg, loop.flight = p, cfg, {}
+    loop.engine = SimpleNamespace(swap=lambda model_dir, version, rule: swaps.append((model_dir, version, rule)))
+    loop._follow_weights()
+    assert swaps == [(Path("/w/v3"), 3, kv)] and len(observed) == 1
+    with pytest.raises(ConfigError, match="inflight_kv"):
+        load_config(ProducerConfig, None, ["backend.model=/m", "weights.inflight_kv=reuse"])
+
+
 def test_swap_mode_resolves_per_backend_and_refuses_inflight_without_an_engine() -> None:
     base = ["backend.model=/m"]
     assert load_config(ProducerConfig, None, base).swap_mode == "between_batches"  # hf: batch path only

@@ -12,12 +12,15 @@ Arms, interleaved ``repeats`` times so that the drift of a shared machine hits e
   sample holds up the rest, and the weights change only between batches).
 * ``inflight``: B groups always in the engine, each finished group replaced at once, the weights swapped under
   them every ``swap_every`` s (default: the first ``between`` run's time per batch, so that both reload at the
-  same cadence).
+  same cadence), each request keeping its KV cache across the swap (``weights.inflight_kv: keep``, the default).
+* ``inflight_recompute``: the same with ``weights.inflight_kv: recompute``: every request in flight has its
+  prefix recomputed with the new weights after each swap.
 * ``continuous``: as ``inflight`` without swaps: what continuous batching alone gains, so that the swaps' cost
   is the difference between the two.
 
 Printed: tokens/s per arm (median, min/max), the ratios to ``between``, where an in-flight swap's time goes
-(pause: the step under way ends and the KV cache is cleared; reload; resume), per swap, and the engine's cost
+(pause: the step under way ends, and with ``recompute`` the KV cache is cleared; reload; resume), per swap and
+rule, and the engine's cost
 model (:func:`occupancy`: tokens/s and time per step against the sequences in a batch), which says whether
 continuous batching can pay at this operating point at all. Written: ``engine.json``.
 """
@@ -33,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARMS = ("between", "inflight", "continuous")
+ARMS = ("between", "inflight", "inflight_recompute", "continuous")
+SWAP_ARMS = {"inflight": "keep", "inflight_recompute": "recompute"}  # arm -> weights.inflight_kv
 
 
 @dataclass
@@ -96,8 +100,9 @@ class Bench:
         run.seconds = time.perf_counter() - t0
         return run
 
-    def inflight(self, seconds: float, swap_every: float | None) -> ArmRun:
-        """B groups in flight for ``seconds``; swapped under them every ``swap_every`` s (None: never)."""
+    def inflight(self, seconds: float, swap_every: float | None, kv: str = "keep") -> ArmRun:
+        """B groups in flight for ``seconds``; swapped under them every ``swap_every`` s (None: never), each
+        request keeping its KV or having it recomputed (``kv``)."""
         run, keys = ArmRun(), set()
 
         def submit() -> None:
@@ -117,7 +122,7 @@ class Bench:
                 submit()
             if swap_every is not None and time.perf_counter() - last >= swap_every:
                 self.version += 1
-                self.engine.swap(self.model, self.version)
+                self.engine.swap(self.model, self.version, kv)
                 for k, v in asdict(self.engine.last_swap).items():
                     run.swap_split_s[k] = run.swap_split_s.get(k, 0.0) + v
                 run.swaps, last = run.swaps + 1, time.perf_counter()
@@ -146,15 +151,19 @@ def occupancy(bench: Bench, seconds: float) -> list[dict[str, float]]:
 
 def summarise(runs: dict[str, list[ArmRun]]) -> dict[str, Any]:
     med = {arm: statistics.median(r.tokens_per_s for r in rs) for arm, rs in runs.items()}
-    swaps = [r for r in runs.get("inflight", []) if r.swaps]
-    split = {k: 1000 * sum(r.swap_split_s.get(k, 0.0) for r in swaps) / max(1, sum(r.swaps for r in swaps))
-             for k in ("pause_s", "reload_s", "resume_s")}
+    split = {arm: _per_swap_ms([r for r in runs[arm] if r.swaps]) for arm in SWAP_ARMS if arm in runs}
     base = med.get("between") or 0.0
     return {"tokens_per_s": {arm: {"median": med[arm], "min": min(r.tokens_per_s for r in rs),
                                    "max": max(r.tokens_per_s for r in rs)} for arm, rs in runs.items()},
             "ratio_to_between": {arm: (m / base if base else None) for arm, m in med.items()},
-            "swap_ms": {k.removesuffix("_s"): v for k, v in split.items()},
+            "swap_ms": split,
             "runs": {arm: [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rs] for arm, rs in runs.items()}}
+
+
+def _per_swap_ms(runs: list[ArmRun]) -> dict[str, float]:
+    swaps = max(1, sum(r.swaps for r in runs))
+    return {k.removesuffix("_s"): 1000 * sum(r.swap_split_s.get(k, 0.0) for r in runs) / swaps
+            for k in ("pause_s", "reload_s", "resume_s")}
 
 
 def print_report(summary: dict[str, Any], swap_every: float, lengths: list[int]) -> None:
@@ -168,10 +177,11 @@ def print_report(summary: dict[str, Any], swap_every: float, lengths: list[int])
         ratio = summary["ratio_to_between"][arm]
         print(f"{arm:<12} {t['median']:>13.1f} {t['min']:>7.0f}/{t['max']:<7.0f} "
               f"{'-' if ratio is None else f'{ratio:.3f}':>17}")
-    s = summary["swap_ms"]
-    print(f"in-flight swap: pause {s['pause']:.1f} ms + reload {s['reload']:.1f} ms + resume {s['resume']:.1f} ms "
-          f"per swap; inflight/between {_r(summary, 'inflight')} (target >= 1.3), continuous/between "
-          f"{_r(summary, 'continuous')}")
+    for arm, s in summary["swap_ms"].items():
+        print(f"in-flight swap, {SWAP_ARMS[arm]} KV: pause {s['pause']:.1f} ms + reload {s['reload']:.1f} ms + "
+              f"resume {s['resume']:.1f} ms per swap")
+    print(f"inflight/between {_r(summary, 'inflight')} (target >= 1.3), inflight_recompute/between "
+          f"{_r(summary, 'inflight_recompute')}, continuous/between {_r(summary, 'continuous')}")
 
 
 def _r(summary: dict[str, Any], arm: str) -> str:
@@ -211,7 +221,8 @@ def main(seconds: float = 20.0, repeats: int = 3, lengths: str = "1-8", cpu: int
             if rep == 0:
                 first = runs["between"][0]
                 swap_every = first.seconds / max(1, first.swaps)
-            runs["inflight"].append(bench.inflight(seconds, swap_every))
+            for arm, kv in SWAP_ARMS.items():
+                runs[arm].append(bench.inflight(seconds, swap_every, kv))
             runs["continuous"].append(bench.inflight(seconds, None))
             print(f"[bench engine] repeat {rep + 1}/{repeats}: " + ", ".join(
                 f"{arm} {rs[-1].tokens_per_s:.0f} tok/s" for arm, rs in runs.items()), flush=True)

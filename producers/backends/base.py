@@ -107,6 +107,10 @@ class Backend(Protocol):
         ...
 
 
+# What a request in flight keeps across an in-flight swap (weights.inflight_kv; backends/vllm_async.py).
+KvOnSwap = Literal["keep", "recompute"]
+
+
 @runtime_checkable
 class StreamingBackend(Backend, Protocol):
     """A backend that also generates continuously (the producer's ``weights.swap: inflight`` loop): groups are
@@ -123,7 +127,7 @@ class StreamingBackend(Backend, Protocol):
 
     def capacity(self) -> int: ...
 
-    def swap(self, model_dir: Path, version: int) -> None: ...
+    def swap(self, model_dir: Path, version: int, kv: KvOnSwap = "keep") -> None: ...
 
 
 @dataclass

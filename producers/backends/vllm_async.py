@@ -6,13 +6,23 @@ Kafka work never waits on generation and generation never waits on Kafka: :meth:
 starts a group of ``n`` requests and returns; finished groups arrive on :meth:`~AsyncVLLMEngine.finished` in
 the order they finish, not the order they were submitted.
 
-**In-flight weight updates** (:meth:`~AsyncVLLMEngine.swap`): ``pause_generation(mode="keep")`` freezes every
-request, the worker reloads the weights in place (the tied-head fix of ``vllm``), ``resume_generation()``
-continues them. vLLM's pause clears the KV cache by default (``clear_cache=True``): running requests are
-preempted, so on resume their prefix -- prompt and the tokens sampled so far -- is *recomputed with the new
-weights* and every later token is sampled from the new policy given that prefix (PipelineRL keeps the old KV
-instead). Each token's behaviour logprob is what the engine returned when it sampled it, i.e. from the weights
-that sampled it; each sample's ``spans`` records ``(version, first token)`` for every version behind its tokens.
+**In-flight weight updates** (:meth:`~AsyncVLLMEngine.swap`): the engine core's pause (``mode="keep"``) freezes
+every request, the worker reloads the weights in place (the tied-head fix of ``vllm``), the resume continues them.
+What a request in flight keeps across the swap is ``kv`` (the producer's ``weights.inflight_kv``):
+
+* ``keep`` (the default; PipelineRL's choice): its KV cache, computed with the older weights, stays. Later tokens
+  are sampled by the new weights attending over that prefix, a mix that is neither policy exactly; each token's
+  recorded behaviour logprob is what the engine sampled it with, so the learner's ratio pi_theta / mu is exact
+  against the distribution that really produced it. Nothing is recomputed: on the 2-core CPU the swap cost
+  ~11% of continuous tokens/s against ~20% with ``recompute`` (``bench engine``).
+* ``recompute``: vLLM's ``clear_cache``: running requests are preempted and on resume their prefix -- prompt and
+  tokens sampled so far -- is *recomputed with the new weights*, so every later token is the new policy's given
+  that prefix, at the price of a prefill of every request in flight at every swap.
+
+Either way a request started after a swap never reuses prefix-cache blocks computed with older weights: every
+request carries a ``cache_salt`` naming the weights in the engine when it was sent (vLLM keys cached blocks by
+it), bumped at each swap and reload. Each token's behaviour logprob is the one returned when it was sampled; each
+sample's ``spans`` records ``(version, first token)`` for every version behind its tokens.
 
 The boundaries are vLLM's own: the swap labels the engine with the new version while it is paused
 (``update_weight_version``), every step's outputs carry the label of the weights that computed them, and a finished
@@ -42,7 +52,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+from grpo_producers.backends.base import (
+    BackendConfig,
+    FinishReason,
+    KvOnSwap,
+    Sample,
+    SamplingConfig,
+    check_request,
+)
 from grpo_producers.backends.vllm import engine_kwargs, require_weights, sampling_params
 
 T = TypeVar("T")
@@ -66,8 +83,8 @@ def _sample(rid: str, c: Any, version: int) -> Sample:
 
 @dataclass(frozen=True)
 class SwapTimes:
-    """Where an in-flight swap's time went: waiting for the step under way to end (and the KV cache to be
-    cleared), labelling and reloading the weights, resuming the scheduler."""
+    """Where an in-flight swap's time went: waiting for the step under way to end (and, with ``recompute``,
+    the KV cache to be cleared), labelling and reloading the weights, resuming the scheduler."""
 
     pause_s: float = 0.0
     reload_s: float = 0.0
@@ -97,6 +114,7 @@ class AsyncVLLMEngine:
         self._done: queue.Queue[Finished] = queue.Queue()
         self._lock = threading.Lock()
         self.last_swap = SwapTimes()
+        self._weights = 0  # bumped whenever the weights change: the prefix cache's salt (module docstring)
         self.engine = self._call(self._start(cfg))
         model_config = self.engine.model_config
         self._max_context = int(model_config.max_model_len)
@@ -163,20 +181,23 @@ class AsyncVLLMEngine:
         with self._lock:
             return len(self._groups)
 
-    def swap(self, model_dir: Path, version: int) -> None:
-        """Reload the weights with every request kept in flight; later tokens are ``version``'s."""
+    def swap(self, model_dir: Path, version: int, kv: KvOnSwap = "keep") -> None:
+        """Reload the weights with every request kept in flight; later tokens are ``version``'s. ``kv``: what
+        those requests keep (see the module docstring)."""
         require_weights(model_dir)
-        self._call(self._swap(str(model_dir), version))
+        self._call(self._swap(str(model_dir), version, clear_cache=kv == "recompute"))
 
-    async def _swap(self, path: str, version: int) -> None:
+    async def _swap(self, path: str, version: int, clear_cache: bool) -> None:
         t0 = time.perf_counter()
         # The engine core's pause itself, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep so that
         # outputs already in transit reach their callers first -- ordering for a human caller, paid on every
         # swap (the pause took 40-48 ms with it, 25 ms without, on the tiny model on CPU), and unneeded here:
-        # the spans come from vLLM's version labels, not from when outputs arrive. clear_cache: see the
-        # module docstring.
-        await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
+        # the spans come from vLLM's version labels, not from when outputs arrive.
+        await self.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=clear_cache)
         t1 = time.perf_counter()
+        # Every request sent from here on reaches the engine after the pause, so it runs only on the new
+        # weights: a new salt keeps it off blocks cached with the old ones. One sent before keeps the old salt.
+        self._weights += 1
         try:
             # Labelled while paused, so every output of a step after this one carries the new version.
             await self.engine.update_weight_version(str(version))
@@ -195,8 +216,8 @@ class AsyncVLLMEngine:
         rid = f"{key}/{uuid.uuid4().hex[:8]}"
         final = None
         try:
-            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt)),
-                                                  _params(sampling, n, seed), rid):
+            request = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=f"grpo-weights-{self._weights}")
+            async for out in self.engine.generate(request, _params(sampling, n, seed), rid):
                 final = out
         except BaseException:
             await self.engine.abort(rid)
@@ -221,9 +242,13 @@ class AsyncVLLMEngine:
         """Reload with nothing in flight (the batch loop swaps between batches); KV computed before is dropped.
         The engine's version label is cleared: a later group's tokens are its submitted version's."""
         require_weights(model_dir)
-        self._call(self.engine.collective_rpc("grpo_reload_weights", args=(str(model_dir),)))
-        self._call(self.engine.reset_prefix_cache())
-        self._call(self.engine.update_weight_version(_UNLABELLED))
+        self._call(self._reload(str(model_dir)))
+
+    async def _reload(self, path: str) -> None:
+        await self.engine.collective_rpc("grpo_reload_weights", args=(path,))
+        self._weights += 1
+        await self.engine.reset_prefix_cache()
+        await self.engine.update_weight_version(_UNLABELLED)
 
     def close(self) -> None:
         engine = getattr(self, "engine", None)

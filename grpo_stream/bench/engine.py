@@ -172,10 +172,10 @@ def print_report(summary: dict[str, Any], swap_every: float, lengths: list[int])
         for r in summary["occupancy"]))
     print(f"digit counts {sorted(set(lengths))}, weights reloaded every {swap_every:.3f}s in 'inflight' "
           f"(the between arm's time per batch)")
-    print(f"{'arm':<12} {'tokens_per_s':>13} {'min/max':>15} {'ratio_to_between':>17}")
+    print(f"{'arm':<18} {'tokens_per_s':>13} {'min/max':>15} {'ratio_to_between':>17}")
     for arm, t in summary["tokens_per_s"].items():
         ratio = summary["ratio_to_between"][arm]
-        print(f"{arm:<12} {t['median']:>13.1f} {t['min']:>7.0f}/{t['max']:<7.0f} "
+        print(f"{arm:<18} {t['median']:>13.1f} {t['min']:>7.0f}/{t['max']:<7.0f} "
               f"{'-' if ratio is None else f'{ratio:.3f}':>17}")
     for arm, s in summary["swap_ms"].items():
         print(f"in-flight swap, {SWAP_ARMS[arm]} KV: pause {s['pause']:.1f} ms + reload {s['reload']:.1f} ms + "

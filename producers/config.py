@@ -29,7 +29,7 @@ class ProducerWeights(WeightStoreConfig):
         "over it, and each token's recorded logprob is the one it was sampled with (the learner's ratio stays "
         "exact against the real behaviour). recompute: its prefix is recomputed with the new weights on resume, "
         "so later tokens are the new policy's exactly, at the cost of a prefill of every request in flight at "
-        "every swap (on the 2-core CPU ~20% of continuous tokens/s against ~11% for keep: bench engine).")
+        "every swap (on the 2-core CPU ~18% of continuous tokens/s against ~11% for keep: bench engine).")
 
 
 @dataclass

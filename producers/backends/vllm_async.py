@@ -14,7 +14,7 @@ What a request in flight keeps across the swap is ``kv`` (the producer's ``weigh
   are sampled by the new weights attending over that prefix, a mix that is neither policy exactly; each token's
   recorded behaviour logprob is what the engine sampled it with, so the learner's ratio pi_theta / mu is exact
   against the distribution that really produced it. Nothing is recomputed: on the 2-core CPU the swap cost
-  ~11% of continuous tokens/s against ~20% with ``recompute`` (``bench engine``).
+  ~11% of continuous tokens/s against ~18% with ``recompute`` (``bench engine``).
 * ``recompute``: vLLM's ``clear_cache``: running requests are preempted and on resume their prefix -- prompt and
   tokens sampled so far -- is *recomputed with the new weights*, so every later token is the new policy's given
   that prefix, at the price of a prefill of every request in flight at every swap.

@@ -155,6 +155,11 @@ def test_the_seconds_a_producer_was_held_back_are_read_per_reason_and_reported(
     found = ab.producer_metrics(scrape)
     assert found[ab.HELD + ":backlog"] == 3.5 and found[ab.HELD + ":version_lag"] == 0.25
     assert found["grpo_stream_producer_tokens_total"] == 1234.0
+    start = {ab.HELD + ":backlog": 1.5, "grpo_stream_producer_starved_seconds_total": 1.0}
+    end = {**found, "grpo_stream_producer_starved_seconds_total": 3.0}
+    assert ab.held_back(end, start, 10.0, starved_counted=True) == {"backlog": 0.2, "version_lag": 0.025,
+                                                                     "no_prompts": 0.2}
+    assert ab.held_back(end, start, 10.0, starved_counted=False) == {"backlog": 0.2, "version_lag": 0.025}
     runs = {"S": [fake([(0, 0.3)], gen_s=1, train_s=1)],
             "P v1 inflight": [{**fake([(0, 0.3)]), "held_back": {"backlog": b}} for b in (0.1, 0.3, 0.2)]}
     summary = ar.report(runs, 0.6, tmp_path)

@@ -189,12 +189,25 @@ def run_pipeline_arm(model: Path, arm: Arm, budget_s: float, out: Path, task: st
             "engine_busy": min(1.0, gen / wall), "learner_busy": min(1.0, busy / wall),
             "mean_staleness": statistics.fmean(trained) if trained else 0.0,
             "aborted_stale": since_t0("aborted_stale_total"),
-            "held_back": {**{k.split(":", 1)[1]: round(min(1.0, (v - watch.at_t0.get(k, 0.0)) / wall), 4)
-                             for k, v in watch.last.items() if k.startswith(HELD + ":")},
-                          "no_prompts": round(min(1.0, since_t0("starved_seconds_total") / wall), 4)},
+            "held_back": held_back(watch.last, watch.at_t0, wall, starved_counted=arm.swap == "inflight"),
             **_cpu_use(watch),
             "dynamics": dynamics(sorted(inside, key=lambda m: m["step"])),
             "points": [(max(0.0, t), step, str(d)) for t, step, d in versions if t <= wall]}
+
+
+def held_back(last: dict[str, float], at_t0: dict[str, float], wall: float, starved_counted: bool
+              ) -> dict[str, float]:
+    """The share of the clock ``wall`` the producer was held back, per reason, from its counters at the clock's
+    start and end; with ``starved_counted``, also its share with room and no prompt to take ("no_prompts"). Only
+    the continuous loop counts that (``starved_seconds_total``): for a batch loop the key is left out rather than
+    reported as a zero nobody measured."""
+    def share(key: str) -> float:
+        return round(min(1.0, (last.get(key, 0.0) - at_t0.get(key, 0.0)) / wall), 4)
+
+    out = {k.split(":", 1)[1]: share(k) for k in last if k.startswith(HELD + ":")}
+    if starved_counted:
+        out["no_prompts"] = share("grpo_stream_producer_starved_seconds_total")
+    return out
 
 
 def _cpu_use(watch: _Watch) -> dict[str, Any]:

@@ -146,7 +146,8 @@ def held_back_table(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[
     repeats): held back on purpose because the learner has enough queued ("backlog") or the producer's weights are
     too old ("version_lag"), or for want of work: no prompt to take ("no_prompts", in-flight swaps only)."""
     return medians_by_key(results, "held_back", "share of the clock the producer left room in its engine unfilled, "
-                          "by reason (held back by backpressure: backlog, version_lag; no prompt to take: no_prompts):",
+                          "by reason (held back by backpressure: backlog, version_lag; no prompt to take, "
+                          "counted by in-flight producers only: no_prompts):",
                           lambda name, row: f"{name}: " + ", ".join(
                               f"{r} {v:.3f}" for r, v in row.items() if v is not None))
 

@@ -4,8 +4,8 @@ whose version spans are checked token by token against an HF float32 recompute w
 Across a swap a request in flight either keeps its KV cache (``kv="keep"``, the default) or has its prefix
 recomputed with the new weights (``kv="recompute"``: vLLM's ``clear_cache``). Tokens before the boundary match
 the old weights' recompute either way; after it they match the new weights' recompute exactly when recomputed,
-and are much closer to it than to the old weights' when the old KV was kept. The boundaries and labels are vLLM's
-own weight-version spans (the swap labels the paused engine).
+and, when the old KV was kept, a recompute in which the new weights attend over the cache the old ones wrote.
+The boundaries and labels are vLLM's own weight-version spans (the swap labels the paused engine).
 """
 
 from __future__ import annotations
@@ -64,15 +64,11 @@ def engine(models: tuple[Path, Path]) -> Iterator[AsyncVLLMEngine]:
 
 def recompute(model_dir: Path, prompt: list[int], tokens: np.ndarray) -> np.ndarray:
     """log pi(token | prefix) of every completion token at T = 1, HF float32 (the learner's arithmetic)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt + tokens.tolist()])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
-    return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
+    return recompute_kept([model_dir], [0], prompt, tokens)
 
 
 def recompute_kept(weights: list[Path], starts: list[int], prompt: list[int], tokens: np.ndarray) -> np.ndarray:
-    """The same, computed as an engine that keeps the KV across swaps computes it: weights ``k`` take over at
+    """:func:`recompute` as an engine that keeps the KV across swaps computes it: weights ``k`` take over at
     completion token ``starts[k]``, i.e. from the step whose *input* is the token before it, attending over the
     cache the earlier weights wrote for every position before."""
     from transformers import DynamicCache

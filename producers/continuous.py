@@ -11,7 +11,8 @@ behind each of its tokens.
 **The prompts' offset rule** (a low watermark, like the verifier's): groups finish out of order, so a prompt
 offset is committed only when every prompt at or below it on its partition is done -- all G completions
 acknowledged, or dead-lettered. Per partition the commit point is the lowest offset still in flight, or one
-past the last prompt read when none is (:class:`PromptWatermark`). A producer killed at any moment leaves every
+past the last prompt read when none is (:class:`PromptWatermark`), committed when it moved, at most every
+``COMMIT_EVERY_S`` (and at once when the loop stops). A producer killed at any moment leaves every
 unfinished prompt at or above its committed offset: re-read, never lost; prompts that had finished above it
 are generated again under a new attempt id, which the verifier keeps apart.
 
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("producer")
 _GENERATION_ATTEMPTS = 2  # one retry for a group whose generation failed (an engine hiccup), then dead-letter
+# The loop turns about once per finished group (60-90 times a second in `bench async`). Polling the weights
+# announcements and committing the watermark (a synchronous broker round trip) on every turn took a third of the
+# loop thread's wall time (py-spy, docs/results/profile-producer.txt) and as many commits a second from every
+# producer to the group coordinator. At these intervals a swap waits at most 50 ms, beside learner steps of 0.2 s
+# or more, and a later commit costs only prompts generated again after a crash.
+FOLLOW_EVERY_S = 0.05
+COMMIT_EVERY_S = 0.25
 
 
 @dataclass
@@ -90,6 +98,7 @@ class ContinuousLoop:
         self.published, self.submitted = 0, 0
         self._committed: dict[Partition, int] = {}
         self._reason, self._checked_at = "", 0.0
+        self._followed_at, self._committed_at = float("-inf"), float("-inf")
         self._busy_at = time.perf_counter()
         self._starved_at: float | None = None  # when a take found no prompt while there was room
         log.info("continuous generation: up to %d groups in flight", self.limit)
@@ -109,7 +118,10 @@ class ContinuousLoop:
 
     # ---- weights and staleness -------------------------------------------------------------------
     def _follow_weights(self) -> None:
-        p = self.p
+        p, now = self.p, time.monotonic()
+        if now - self._followed_at < FOLLOW_EVERY_S:
+            return
+        self._followed_at = now
         p.weights.poll()
         target = p.weights.newest
         if target is not None and target.version != p.weights.version:
@@ -237,8 +249,9 @@ class ContinuousLoop:
         self.marks.done(g.tp, g.job.msg.offset)
 
     # ---- offsets -----------------------------------------------------------------------------------
-    def _commit(self) -> None:
-        """Commit each held partition's low watermark when it moved; forget partitions no longer held."""
+    def _commit(self, now: bool = False) -> None:
+        """Commit each held partition's low watermark when it moved, at most every ``COMMIT_EVERY_S`` unless
+        ``now``; forget partitions no longer held (every turn: their groups must stop at once)."""
         held = set(self.p.prompts.assignment())
         for tp in [tp for tp in self.marks.read_up_to if tp not in held]:
             for g in [g for g in self.flight.values() if g.tp == tp]:
@@ -246,6 +259,9 @@ class ContinuousLoop:
                 del self.flight[g.key]
             self.marks.forget(tp)
             self._committed.pop(tp, None)
+        if not now and time.monotonic() - self._committed_at < COMMIT_EVERY_S:
+            return
+        self._committed_at = time.monotonic()
         points = {tp: off for tp, off in self.marks.commit_points().items() if self._committed.get(tp) != off}
         # Every prompt below each point is published and acked, or dead-lettered: see the module docstring.
         if points and commit_processed(self.p.prompts, points):
@@ -270,4 +286,4 @@ class ContinuousLoop:
             self.engine.abort(key)
         self.flight.clear()
         self._confirm(wait=True)
-        self._commit()
+        self._commit(now=True)

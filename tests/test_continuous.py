@@ -121,6 +121,47 @@ def test_room_in_the_engine_with_no_prompt_to_take_counts_as_starved(monkeypatch
     assert starved == [0.5, 0.25, 0.5] and loop._starved_at is None
 
 
+def test_the_loop_polls_weights_and_commits_at_intervals_not_every_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop turns once per finished group; the weights are polled at most every ``FOLLOW_EVERY_S`` and the
+    watermark committed at most every ``COMMIT_EVERY_S``, except when draining (then at once). A partition no
+    longer held is forgotten on the turn it goes, interval or not."""
+    from types import SimpleNamespace
+
+    from grpo_producers import continuous
+    from grpo_producers.continuous import COMMIT_EVERY_S, FOLLOW_EVERY_S, ContinuousLoop
+
+    clock = [100.0]
+    monkeypatch.setattr(continuous.time, "monotonic", lambda: clock[0])
+    commits: list[dict[TopicPartition, int]] = []
+    monkeypatch.setattr(continuous, "commit_processed", lambda consumer, points: commits.append(dict(points)) or True)
+    polls: list[float] = []
+    tp, gone = TopicPartition("p", 0), TopicPartition("p", 1)
+    held = [{tp, gone}]
+    loop = ContinuousLoop.__new__(ContinuousLoop)
+    loop.p = SimpleNamespace(
+        weights=SimpleNamespace(poll=lambda: polls.append(clock[0]), newest=None, version=1, newest_version=1),
+        prompts=SimpleNamespace(assignment=lambda: held[0]),
+        metrics=SimpleNamespace(newest_version=SimpleNamespace(set=lambda v: None)))
+    loop.flight, loop.marks, loop._committed = {}, PromptWatermark(), {}
+    loop._followed_at, loop._committed_at = float("-inf"), float("-inf")
+    loop.engine = SimpleNamespace(abort=lambda key: True)
+    loop.marks.read(gone, 3)
+    for turn, at in enumerate([0.0, 0.01, 0.02, FOLLOW_EVERY_S + 0.001, COMMIT_EVERY_S + 0.001]):
+        clock[0] = 100.0 + at
+        loop.marks.read(tp, 10 + turn)  # the watermark moves on every turn
+        if turn == 2:
+            held[0] = {tp}  # revoked between two commits: forgotten now, not at the next commit
+        loop._follow_weights()
+        loop._commit()
+        if turn == 2:
+            assert gone not in loop.marks.read_up_to
+    assert polls == [100.0, 100.0 + FOLLOW_EVERY_S + 0.001, 100.0 + COMMIT_EVERY_S + 0.001]
+    assert commits == [{tp: 10, gone: 3}, {tp: 14}]
+    loop.marks.read(tp, 20)
+    loop._commit(now=True)  # the drain's commit does not wait
+    assert commits[-1] == {tp: 20}
+
+
 @pytest.mark.parametrize("kv", ["keep", "recompute"])
 def test_the_loop_swaps_with_the_configured_kv_rule(kv: str) -> None:
     """``weights.inflight_kv`` reaches the engine's swap (the vLLM tests check what each rule does there)."""
@@ -138,7 +179,7 @@ def test_the_loop_swaps_with_the_configured_kv_rule(kv: str) -> None:
         metrics=SimpleNamespace(swap_latency=SimpleNamespace(observe=observed.append),
                                 newest_version=SimpleNamespace(set=lambda v: None)))
     loop = ContinuousLoop.__new__(ContinuousLoop)
-    loop.p, loop.cfg, loop.flight = p, cfg, {}
+    loop.p, loop.cfg, loop.flight, loop._followed_at = p, cfg, {}, float("-inf")
     loop.engine = SimpleNamespace(swap=lambda model_dir, version, rule: swaps.append((model_dir, version, rule)))
     loop._follow_weights()
     assert swaps == [(Path("/w/v3"), 3, kv)] and len(observed) == 1

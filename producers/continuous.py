@@ -40,10 +40,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("producer")
 _GENERATION_ATTEMPTS = 2  # one retry for a group whose generation failed (an engine hiccup), then dead-letter
 # The loop turns about once per finished group (60-90 times a second in `bench async`). Polling the weights
-# announcements and committing the watermark (a synchronous broker round trip) on every turn took a third of the
-# loop thread's wall time (py-spy, docs/results/profile-producer.txt) and as many commits a second from every
-# producer to the group coordinator. At these intervals a swap waits at most 50 ms, beside learner steps of 0.2 s
-# or more, and a later commit costs only prompts generated again after a crash.
+# announcements and committing the watermark (a synchronous broker round trip) on every turn was 44% of the loop
+# thread's py-spy samples in the in-flight run profiled in docs/results/profile-producer.txt, and as many commits
+# a second from every producer to the group coordinator. At these intervals a swap waits at most 50 ms, beside
+# learner steps of 0.2 s or more, and a later commit costs only prompts generated again after a crash.
 FOLLOW_EVERY_S = 0.05
 COMMIT_EVERY_S = 0.25
 
@@ -249,9 +249,9 @@ class ContinuousLoop:
         self.marks.done(g.tp, g.job.msg.offset)
 
     # ---- offsets -----------------------------------------------------------------------------------
-    def _commit(self, now: bool = False) -> None:
+    def _commit(self, force: bool = False) -> None:
         """Commit each held partition's low watermark when it moved, at most every ``COMMIT_EVERY_S`` unless
-        ``now``; forget partitions no longer held (every turn: their groups must stop at once)."""
+        ``force``; forget partitions no longer held (every turn: their groups must stop at once)."""
         held = set(self.p.prompts.assignment())
         for tp in [tp for tp in self.marks.read_up_to if tp not in held]:
             for g in [g for g in self.flight.values() if g.tp == tp]:
@@ -259,9 +259,10 @@ class ContinuousLoop:
                 del self.flight[g.key]
             self.marks.forget(tp)
             self._committed.pop(tp, None)
-        if not now and time.monotonic() - self._committed_at < COMMIT_EVERY_S:
+        now = time.monotonic()
+        if not force and now - self._committed_at < COMMIT_EVERY_S:
             return
-        self._committed_at = time.monotonic()
+        self._committed_at = now
         points = {tp: off for tp, off in self.marks.commit_points().items() if self._committed.get(tp) != off}
         # Every prompt below each point is published and acked, or dead-lettered: see the module docstring.
         if points and commit_processed(self.p.prompts, points):
@@ -286,4 +287,4 @@ class ContinuousLoop:
             self.engine.abort(key)
         self.flight.clear()
         self._confirm(wait=True)
-        self._commit(now=True)
+        self._commit(force=True)

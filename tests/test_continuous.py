@@ -158,7 +158,7 @@ def test_the_loop_polls_weights_and_commits_at_intervals_not_every_turn(monkeypa
     assert polls == [100.0, 100.0 + FOLLOW_EVERY_S + 0.001, 100.0 + COMMIT_EVERY_S + 0.001]
     assert commits == [{tp: 10, gone: 3}, {tp: 14}]
     loop.marks.read(tp, 20)
-    loop._commit(now=True)  # the drain's commit does not wait
+    loop._commit(force=True)  # the drain's commit does not wait
     assert commits[-1] == {tp: 20}
 
 

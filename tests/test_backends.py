@@ -182,6 +182,31 @@ def test_stop_cut() -> None:
     assert stop_cut([2, 4, 2], [EOS, 4], [], decode) == (2, "stop", "b")  # any of several EOS ids
 
 
+def test_vllm_detokenizes_only_for_stop_strings_and_reads_each_logprob_layout() -> None:
+    """vLLM's per-token detokenization runs only where a stop string needs it (else one decode per sample), and
+    the sampled tokens' logprobs come out alike from vLLM's flat layout and its dict per position."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from grpo_producers.backends.vllm import sampled_logprobs, sampling_params, text_decoder
+
+    plain, stops = SamplingConfig(max_tokens=4), SamplingConfig(max_tokens=4, stop=["x"])
+    assert not sampling_params(plain, 2, None).detokenize and sampling_params(stops, 2, None).detokenize
+    assert sampling_params(plain, 2, None).flat_logprobs
+    assert text_decoder(plain, str) is str and text_decoder(stops, str) is None
+    want = np.asarray([-0.5, -1.25], np.float32)
+    per_position = [{5: Logprob(-0.5, rank=1)}, {7: Logprob(-1.25, rank=2)}]
+    ranked = [{5: Logprob(-0.5), 9: Logprob(-3.0)}, {2: Logprob(-0.1), 7: Logprob(-1.25)}]  # more than the sampled
+    for layout in (per_position, ranked):
+        flat = FlatLogprobs()
+        flat.extend(layout)
+        for logprobs in (layout, flat):
+            got = sampled_logprobs([5, 7], logprobs)
+            assert got.dtype == np.float32 and got.tolist() == want.tolist(), (layout, logprobs)
+    for bad in (None, per_position[:1]):
+        with pytest.raises(RuntimeError, match="no per-token logprobs"):
+            sampled_logprobs([5, 7], bad)
+
+
 def test_make_backend_table() -> None:
     assert Backend.__doc__ and isinstance(HFBackend.name, str)
     from grpo_producers.backends.base import BACKENDS

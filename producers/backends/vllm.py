@@ -240,7 +240,7 @@ def to_sample(completion: Any, decode: Decode | None) -> Sample:
     logprobs = sampled_logprobs(tokens, completion.logprobs)
     reason = completion.finish_reason
     if reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a sample with reason {reason!r}")
+        raise RuntimeError(f"vLLM finished sample {completion.index} with reason {reason!r}")
     finish: FinishReason = reason
     text = completion.text if decode is None else decode(tokens)
     return Sample(np.asarray(tokens, dtype=np.int32), logprobs, finish, text)

@@ -72,10 +72,8 @@ _UNLABELLED = "default"  # vLLM's weight-version label until update_weight_versi
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
-def _sample(rid: str, c: Any, version: int, decode: Decode | None) -> Sample:
-    """One finished sample; its spans are vLLM's weight-version spans (a label never set: ``version``)."""
-    if c.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished request {rid} sample {c.index} with reason {c.finish_reason!r}")
+def _sample(c: Any, version: int, decode: Decode | None) -> Sample:
+    """One finished sample (``to_sample``) with vLLM's weight-version spans (a label never set: ``version``)."""
     spans = tuple((version if w.version == _UNLABELLED else int(w.version), w.start)
                   for w in c.weight_versions or () if w.end > w.start) or ((version, 0),)
     return dataclasses.replace(to_sample(c, decode), spans=spans)
@@ -226,7 +224,7 @@ class AsyncVLLMEngine:
         if final is None or not final.finished or len(final.outputs) != n:
             raise RuntimeError(f"vLLM ended request {rid} without its {n} samples")
         decode = text_decoder(sampling, self._decode)
-        return [_sample(rid, c, version, decode) for c in sorted(final.outputs, key=lambda c: c.index)]
+        return [_sample(c, version, decode) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # ---- the batch interface (Backend) -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:

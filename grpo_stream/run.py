@@ -30,6 +30,7 @@ import yaml
 
 from grpo_core.config import ConfigError, KafkaConfig, build, opt, require, to_dict, validate_tree
 from grpo_core.contract import PipelineContract
+from grpo_stream.threads import child_env
 
 log = logging.getLogger("run")
 STATUS_EVERY_S = 10.0  # without a terminal: one learner status line this often (the full logs are in logs/)
@@ -66,6 +67,12 @@ class RunConfig:
         factory=dict, help="CPUs per role (feeder, producer, verifier, learner), e.g. {producer: [0], learner: "
         "[1]}: the supervisor pins each child of the role to them (its later threads and processes, a vLLM "
         "engine's included, inherit the set). Absent: unpinned.")
+    threads: dict[str, int] = opt(
+        factory=dict, help="Compute threads (OMP_NUM_THREADS: torch's) per process of a role, e.g. {learner: 2}. "
+        "Absent: a pinned role shares its cpus among its processes, the unpinned producers and learner ranks share "
+        "the CPUs nobody is pinned to, the verifiers and the feeder get 1 (at least 1 each; an OMP_NUM_THREADS "
+        "set for the supervisor is kept for the roles not named here). More threads than a process's share of the "
+        "cores spin-wait against the other processes (grpo_stream/threads.py).")
 
     def validate(self) -> None:
         require(bool(self.learner), "learner: a run needs a learner section")
@@ -75,6 +82,10 @@ class RunConfig:
                     f"cpus.{role}: not a role (feeder, producer, verifier, learner)")
             require(bool(cpus) and set(cpus) <= have,
                     f"cpus.{role}: {cpus} must be a non-empty subset of this machine's CPUs {sorted(have)}")
+        for role, n in self.threads.items():
+            require(role in ("feeder", "producer", "verifier", "learner"),
+                    f"threads.{role}: not a role (feeder, producer, verifier, learner)")
+            require(isinstance(n, int) and n >= 1, f"threads.{role}: must be a whole number >= 1, got {n!r}")
         for role, section in (("feeder", self.feeder), ("producers.config", self.producers.config),
                               ("verifiers.config", self.verifiers.config), ("learner", self.learner)):
             require("pipeline" not in section, f"{role}.pipeline: the contract is the run's pipeline section "
@@ -157,12 +168,13 @@ class Child:
     started_at: float = 0.0
     done: bool = False
     cpus: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (threads.child_env)
 
     def start(self) -> None:
         # A session of its own: what the child starts (a vLLM engine's processes) shares its process group,
         # so reap() can end them when the child itself died without shutting them down (kill -9, a crash).
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, start_new_session=True)
+                                     bufsize=1, start_new_session=True, env={**os.environ, **self.env})
         if self.cpus:  # before the child has started any thread or engine process of its own (imports take s)
             os.sched_setaffinity(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
@@ -210,7 +222,8 @@ class Supervisor:
         elif role == "verifier":
             cmd.append(f"verifier_id={name}")
         cpus = self.cfg.cpus.get(role)
-        child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink, cpus=set(cpus) if cpus else None)
+        child = Child(name, cmd, (logs / f"{name}.log").open("a"), self.sink, cpus=set(cpus) if cpus else None,
+                      env=child_env(self.cfg, role))
         child.start()
         self.children.append(child)
         self.write_status()
@@ -220,7 +233,8 @@ class Supervisor:
         data = {c.name: {"pid": c.proc.pid if c.proc else None, "restarts": c.restarts} for c in self.children}
         (self.cfg.out / "children.json").write_text(json.dumps(data, indent=1))
 
-    def watch(self, deadline: float | None, on_tick: Callable[[], bool | None] | None = None) -> None:
+    def watch(self, deadline: float | None, on_tick: Callable[[], bool | None] | None = None,
+              tick_s: float = 0.5) -> None:
         """Until the learner finishes, the deadline passes, a stop is requested or ``on_tick`` returns True:
         restart crashed children."""
         while not self.stopping:
@@ -232,7 +246,7 @@ class Supervisor:
             if on_tick is not None and on_tick():
                 log.info("stopped by the caller")
                 break
-            time.sleep(0.5)
+            time.sleep(tick_s)
 
     def tick(self) -> bool:
         """One round of the watch: restart whatever crashed; True when the learner has exited."""
@@ -371,10 +385,10 @@ class Progress:
         self.bar.close()
 
 
-def execute(cfg: RunConfig, tty: bool | None = None,
-            on_tick: Callable[[], bool | None] | None = None) -> tuple[dict[str, Any], int]:
-    """Run the pipeline described by ``cfg`` to its end; returns (summary, exit code). ``on_tick`` runs about
-    twice a second in the supervisor (the demo evaluates published weights from it); True from it ends the run."""
+def execute(cfg: RunConfig, tty: bool | None = None, on_tick: Callable[[], bool | None] | None = None,
+            tick_s: float = 0.5) -> tuple[dict[str, Any], int]:
+    """Run the pipeline described by ``cfg`` to its end; returns (summary, exit code). ``on_tick`` runs every
+    ``tick_s`` in the supervisor (the demo evaluates published weights from it); True from it ends the run."""
     from grpo_core.kafka_io import make_admin
     from grpo_core.topics import ensure_topics
     from grpo_stream.broker import LocalBroker, free_port
@@ -410,7 +424,7 @@ def execute(cfg: RunConfig, tty: bool | None = None,
             progress.tick()
             return bool(on_tick is not None and on_tick())
 
-        sup.watch(deadline, tick)
+        sup.watch(deadline, tick, tick_s)
     finally:
         sup.stop_all()
         progress.tick()

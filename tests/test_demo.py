@@ -19,7 +19,8 @@ import pytest
 
 UNTIL = 0.8
 REQUIRED = ("initial_eval_reward", "final_eval_reward", "learner_steps", "wall_seconds", "groups_trained",
-            "groups_dropped_stale", "mean_staleness", "weight_versions_published", "run_dir")
+            "groups_dropped_stale", "mean_staleness", "weight_versions_published", "run_dir", "pipeline_seconds",
+            "target_seconds")
 
 
 def _log_ends(out: Path, lines: int = 15) -> str:
@@ -50,6 +51,8 @@ def test_demo_learns_through_the_pipeline(tmp_path: Path) -> None:
     assert evals[0]["step"] == 0 and evals[-1]["step"] == summary["learner_steps"]
     if summary["stopped_by"] == "target":  # two evaluations in a row at or above --until
         assert summary["until"] == UNTIL and [e["eval_reward"] >= UNTIL for e in evals[-3:-1]] == [True, True], evals
+        assert 0 < summary["target_seconds"] <= summary["pipeline_seconds"] < summary["wall_seconds"]
+        assert f"the target held {summary['target_seconds']:.0f} s after it started" in proc.stdout
     assert (out / "report.png").stat().st_size > 10_000
     # Without a terminal: the demo's own lines, warnings and a status line now and then; the children's INFO
     # lines (every batch and step) are only in logs/.
@@ -81,3 +84,6 @@ def test_the_final_table_names_why_the_demo_stopped() -> None:
     assert "held-out reward     0.390 -> 1.000" in table and "runs/d/report.png" in table
     assert "stopped by reached 0.95 held-out for 2 evaluations" in table
     assert "stopped by the time budget" in final_table(summary | {"stopped_by": "budget"})
+    assert "pipeline time" not in table  # a summary without the pipeline's clock (an older run)
+    timed = final_table(summary | {"pipeline_seconds": 95.0, "target_seconds": 71.4})
+    assert "pipeline time       95 s, the target held 71 s after it started" in timed

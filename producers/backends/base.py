@@ -26,6 +26,7 @@ import numpy as np
 
 from grpo_core.config import opt, require
 from grpo_core.contract import LogprobMode
+from grpo_producers.backends.lengths import LengthsConfig
 
 FinishReason = Literal["stop", "length"]
 BackendKind = Literal["hf", "vllm"]
@@ -54,6 +55,8 @@ class SamplingConfig:
                                "(its text ends with the stop string, finish_reason 'stop').", factory=list)
     seed: int | None = opt(None, "Seed for this call's sampling (reproducible batches); None: the backend's own "
                                  "RNG stream. Each prompt gets a distinct derived seed, never one shared seed.")
+    lengths: LengthsConfig = opt(factory=LengthsConfig, help="Completion lengths: the model's (default), or drawn "
+                                 "per sample with EOS ignored, for benchmarks (backends/lengths.py).")
 
     def validate(self) -> None:
         require(self.temperature >= 0, f"sampling.temperature: must be >= 0 (0 = greedy), got {self.temperature}")
@@ -63,6 +66,9 @@ class SamplingConfig:
                 f"sampling.max_tokens: must be >= 1, got {self.max_tokens}")
         require(all(isinstance(s, str) and s for s in self.stop), "sampling.stop: stop strings must be non-empty")
         require(self.seed is None or self.seed >= 0, f"sampling.seed: must be >= 0 or null, got {self.seed}")
+        self.lengths.validate()
+        require(not (self.lengths.controlled and self.stop),
+                "sampling.lengths: drawn lengths ignore EOS and stop strings alike; set sampling.stop: [] with them")
 
 
 @dataclass

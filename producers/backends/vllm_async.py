@@ -57,9 +57,11 @@ from grpo_producers.backends.base import (
     SamplingConfig,
     check_request,
 )
+from grpo_producers.backends.lengths import LengthDraws
 from grpo_producers.backends.vllm import (
     Decode,
     decoder,
+    drawn_params,
     engine_kwargs,
     require_weights,
     sampling_params,
@@ -118,6 +120,7 @@ class AsyncVLLMEngine:
         self._max_context = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
         self._decode = decoder(self.engine.get_tokenizer())
+        self._lengths = LengthDraws(cfg.seed)
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -142,7 +145,7 @@ class AsyncVLLMEngine:
         """Start ``n`` samples of ``prompt`` under ``version``; the group arrives on :meth:`finished`.
         ``seed``: this group's base seed (sample j gets ``seed + j``); None: the engine's stream."""
         check_request([prompt], n, sampling, self._max_context, self.vocab_size)
-        fut = asyncio.run_coroutine_threadsafe(self._group(key, prompt, n, sampling, version, seed), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._any_group(key, prompt, n, sampling, version, seed), self._loop)
         with self._lock:
             self._groups[key] = fut
         fut.add_done_callback(lambda f: self._finish(key, f))
@@ -206,24 +209,40 @@ class AsyncVLLMEngine:
             await self.engine.resume_generation()
             self.last_swap = SwapTimes(t1 - t0, t2 - t1, time.perf_counter() - t2)
 
+    async def _any_group(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
+                         seed: int | None) -> list[Sample]:
+        """A group of ``n`` samples: one request of n, or with drawn lengths (``sampling.lengths``) one request
+        per sample, each exactly its length, delivered together when the last is done."""
+        if not sampling.lengths.controlled:
+            return await self._group(key, prompt, n, sampling, version, seed)
+        drawn = self._lengths(sampling.lengths, n, int(sampling.max_tokens or 1))
+        parts = [self._request(f"{key}/{j}", prompt, 1, p, version, self._decode)
+                 for j, p in enumerate(drawn_params(sampling, drawn, seed, output_kind=_final_only()))]
+        return [s for part in await asyncio.gather(*parts) for s in part]
+
     async def _group(self, key: str, prompt: list[int], n: int, sampling: SamplingConfig, version: int,
                      seed: int | None) -> list[Sample]:
         """One request of ``n`` samples (vLLM's parallel sampling: the prompt is processed once, sample j's
         seed is ``seed + j``), delivered once, when all of them are done."""
+        return await self._request(key, prompt, n, _params(sampling, n, seed), version,
+                                   text_decoder(sampling, self._decode))
+
+    async def _request(self, key: str, prompt: list[int], n: int, params: Any, version: int,
+                       decode: Decode | None) -> list[Sample]:
+        """One engine request of ``n`` samples under ``params``, its samples in index order once all are done."""
         from vllm import TokensPrompt
 
         rid = f"{key}/{uuid.uuid4().hex[:8]}"
         final = None
         try:
             request = TokensPrompt(prompt_token_ids=list(prompt), cache_salt=f"grpo-weights-{self._weights}")
-            async for out in self.engine.generate(request, _params(sampling, n, seed), rid):
+            async for out in self.engine.generate(request, params, rid):
                 final = out
         except BaseException:
             await self.engine.abort(rid)
             raise
         if final is None or not final.finished or len(final.outputs) != n:
             raise RuntimeError(f"vLLM ended request {rid} without its {n} samples")
-        decode = text_decoder(sampling, self._decode)
         return [_sample(c, version, decode) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # ---- the batch interface (Backend) -------------------------------------------------------------
@@ -232,7 +251,7 @@ class AsyncVLLMEngine:
 
         async def batch() -> list[list[Sample]]:
             seeds = [None if sampling.seed is None else sampling.seed + i * n for i in range(len(prompts))]
-            return list(await asyncio.gather(*(self._group(f"batch-{uuid.uuid4().hex[:8]}", p, n, sampling, 0, s)
+            return list(await asyncio.gather(*(self._any_group(f"batch-{uuid.uuid4().hex[:8]}", p, n, sampling, 0, s)
                                                for p, s in zip(prompts, seeds, strict=True))))
 
         # Weights never change under a batch: one version, the caller's (no spans).
@@ -291,10 +310,15 @@ async def _settle() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _params(sampling: SamplingConfig, n: int, seed: int | None) -> Any:
-    """``n`` samples in one request, delivered once, when all are done. Streaming every step's tokens (DELTA)
-    costs Python work per request per step in this process, on the core generation runs on: fewer tokens/s,
-    and nothing needs them (the version spans come with the final output)."""
+def _final_only() -> Any:
+    """Each request's output delivered once, when it is done. Streaming every step's tokens (DELTA) costs Python
+    work per request per step in this process, on the core generation runs on: fewer tokens/s, and nothing needs
+    them (the version spans come with the final output)."""
     from vllm.sampling_params import RequestOutputKind
 
-    return sampling_params(sampling, n, seed, output_kind=RequestOutputKind.FINAL_ONLY)
+    return RequestOutputKind.FINAL_ONLY
+
+
+def _params(sampling: SamplingConfig, n: int, seed: int | None) -> Any:
+    """``n`` samples in one request, delivered once, when all are done."""
+    return sampling_params(sampling, n, seed, output_kind=_final_only())

@@ -15,9 +15,9 @@ import pytest
 
 from grpo_core.config import ConfigError, build
 from grpo_verifiers.rewards import RewardConfig, RewardPool, RewardRequest, RewardTerm, check_request, failures
-from grpo_verifiers.rewards.builtins import BUILTINS, exact, format_reward, positions, regex, resolve
+from grpo_verifiers.rewards.builtins import BUILTINS, exact, format_reward, overlong, positions, regex, resolve
 from grpo_verifiers.rewards.math_reward import gold_text, last_boxed, math_answer
-from grpo_verifiers.rewards.registry import judge
+from grpo_verifiers.rewards.registry import Plan, judge
 
 FX = "reward_fixtures"
 
@@ -100,6 +100,24 @@ def test_positions_lists_case_and_registry() -> None:
     assert positions("AB", "", {"answer": "ab"})[0] == 0.0
     assert positions("AB", "", {"answer": "ab"}, case_sensitive=False)[0] == 1.0
     assert BUILTINS["positions"].inline_safe
+
+
+@pytest.mark.parametrize(("chars", "expected"), [(0, 1.0), (32, 1.0), (80, 0.5), (128, 0.0), (500, 0.0)])
+def test_overlong_is_dapos_soft_punishment_in_characters(chars: int, expected: float) -> None:
+    # max 128, buffer 96: full reward up to 32 characters, then linear down to 0 at 128.
+    assert overlong("x" * chars, "", {}, max_chars=128, buffer_chars=96)[0] == pytest.approx(expected)
+
+
+def test_overlong_params_are_checked_and_it_runs_inline() -> None:
+    assert overlong("x" * 11, "", {}, max_chars=10)[0] == 0.0  # no buffer: a hard cut
+    assert BUILTINS["overlong"].inline_safe
+    with pytest.raises(ValueError, match="buffer_chars"):
+        BUILTINS["overlong"].check(max_chars=10, buffer_chars=11)
+    with pytest.raises(ValueError, match="max_chars"):
+        BUILTINS["overlong"].check(max_chars=0)
+    plan = Plan(RewardConfig(by_task={"t": [RewardTerm("overlong", params={"max_chars": 4})]}))
+    assert plan.score_here("t", "abcd", "", {}) == 1.0 and plan.score_here("t", "abcde", "", {}) == 0.0
+    assert plan.score_here("nothing covers this", "abc", "", {}) == 0.0
 
 
 def test_regex_and_format() -> None:

@@ -11,7 +11,7 @@ are the term's configured keyword arguments. Anything else it does -- raise, han
 memory, return NaN or 1.5 -- costs that record a 0 with a reason, never the verifier.
 
 Rewards are named in the config either by a built-in name (:data:`BUILTINS`: ``exact``, ``positions``, ``regex``,
-``format``, ``math``, ``reasoning_gym``) or by a dotted path ``"package.module:function"``.
+``format``, ``overlong``, ``math``, ``reasoning_gym``) or by a dotted path ``"package.module:function"``.
 :class:`RewardConfig` maps tasks to weighted terms; :class:`RewardPool` scores batches of :class:`RewardRequest`
 into :class:`RewardResult`.
 """

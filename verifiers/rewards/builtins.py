@@ -112,6 +112,29 @@ def _check_positions(case_sensitive: bool = True) -> None:
     _expect(isinstance(case_sensitive, bool), "case_sensitive: must be true or false")
 
 
+# ------------------------------------------------------------------------------------------ overlong
+
+
+def overlong(completion: str, prompt: str, metadata: dict[str, Any], *, max_chars: int,
+             buffer_chars: int = 0) -> tuple[float, dict[str, Any]]:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward in [0, 1], in characters (a reward
+    sees text, not tokens): 1 up to ``max_chars - buffer_chars``, then falling linearly to 0 at ``max_chars``, 0
+    beyond. DAPO adds it to the task's reward as a penalty in [-1, 0]; here it is a term to weight beside the
+    task's (``weight``), e.g. ``[{name: math, weight: 0.9}, {name: overlong, weight: 0.1, params: {...}}]``.
+    ``bench throughput`` scores with it alone: a reward that differs within every group of a random model."""
+    del prompt, metadata
+    n = len(completion)
+    if n <= max_chars - buffer_chars:
+        return 1.0, {"chars": n}
+    return (max(0.0, (max_chars - n) / buffer_chars) if buffer_chars else 0.0), {"chars": n}
+
+
+def _check_overlong(max_chars: int = 0, buffer_chars: int = 0) -> None:
+    _expect(isinstance(max_chars, int) and max_chars >= 1, f"max_chars: a whole number >= 1, got {max_chars!r}")
+    _expect(isinstance(buffer_chars, int) and 0 <= buffer_chars <= max_chars,
+            f"buffer_chars: a whole number in [0, max_chars], got {buffer_chars!r}")
+
+
 # ------------------------------------------------------------------------------------------ regex
 
 RegexMode = Literal["search", "fullmatch", "match"]
@@ -236,6 +259,7 @@ BUILTINS: dict[str, Builtin] = {
     "exact": Builtin(exact, _check_exact, inline_safe=True),
     "positions": Builtin(positions, _check_positions, inline_safe=True),
     "format": Builtin(format_reward, _check_format, inline_safe=True),
+    "overlong": Builtin(overlong, _check_overlong, inline_safe=True),
     "regex": Builtin(regex, _check_regex, inline_safe=False),
     "math": Builtin(math_reward.math_answer, math_reward.check_params, inline_safe=False, warmup=math_reward.warmup),
     "reasoning_gym": Builtin(reasoning_gym_reward.score, reasoning_gym_reward.check_params, inline_safe=False,

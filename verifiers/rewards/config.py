@@ -33,7 +33,7 @@ DEFAULT_TASK = "default"
 class RewardTerm:
     """One weighted reward of a task's combination (weights are normalised to sum to 1)."""
 
-    name: str = opt(help="A built-in (exact, positions, regex, format, math, reasoning_gym), a dotted path "
+    name: str = opt(help="A built-in (exact, positions, regex, format, overlong, math, reasoning_gym), a dotted path "
                          "'package.module:function', or 'trl:package.module:function' for a reward function "
                          "written for TRL's GRPOTrainer (grpo_verifiers.rewards.trl_style).")
     weight: float = opt(1.0, "Relative weight; a task's weights are divided by their sum.")
@@ -65,9 +65,9 @@ class RewardConfig:
     memory_mb: int = opt(1024, "Address-space cap (RLIMIT_AS) of each worker, in MiB, set after its imports.")
     max_completion_chars: int = opt(100_000, "Longer completions score 0 ('oversized') without any reward call.")
     inline_trusted: list[str] = opt(
-        factory=lambda: ["exact", "positions", "format"], help="Built-ins run in the verifier process itself (no "
-        "IPC): only the inline-safe ones (exact, positions, format) are allowed; regex stays pooled "
-        "(catastrophic backtracking).")
+        factory=lambda: ["exact", "positions", "format", "overlong"], help="Built-ins run in the verifier process "
+        "itself (no IPC): only the inline-safe ones (exact, positions, format, overlong) are allowed; regex stays "
+        "pooled (catastrophic backtracking).")
     start_method: StartMethod = opt("spawn", "multiprocessing start method of the workers (never fork: the "
                                     "verifier has Kafka client threads).")
     max_chunk: int = opt(16, "Most records sent to a worker in one message (each is still timed on its own).")

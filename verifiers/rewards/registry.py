@@ -126,6 +126,12 @@ class Plan:
         hooks = [BUILTINS[n].warmup for n in sorted(names) if n in BUILTINS and n not in self._inline]
         return [h for h in hooks if h is not None]
 
+    def score_here(self, task: str, completion: str, prompt: str, metadata: dict[str, Any]) -> float:
+        """The weighted reward of ``task``'s terms, every one called in this process, no sandbox: for tools and
+        benchmarks scoring with trusted rewards (a term that fails scores 0; a task no term covers, 0)."""
+        return sum(t.weight * call_term(t.fn, t.params, completion, prompt, metadata).reward
+                   for t in self.terms(task) or ())
+
     def run_pooled(self, task: str, completion: str, prompt: str, metadata: dict[str, Any]) -> list[TermOutcome]:
         """The outcomes of ``task``'s pooled terms, in plan order (what a worker computes for one record)."""
         return [call_term(t.fn, t.params, completion, prompt, metadata) for t in self.terms(task) or () if not t.inline]

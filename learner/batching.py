@@ -125,14 +125,16 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[Tensor | Sequenc
         temperature=torch.tensor([c.logprob_temperature or 1.0 for _, c in rows], dtype=torch.float32))
 
 
-def microbatches(batch: Batch, max_tokens: int, sort_by_length: bool = False) -> list[Batch]:
+def microbatches(batch: Batch, max_tokens: int, sort_by_length: bool = True) -> list[Batch]:
     """Split ``batch`` into microbatches of at most ``max_tokens`` padded tokens (rows x own trimmed L) each.
 
-    Greedy: rows are taken in order (or longest first with ``sort_by_length``, which packs similar lengths
-    together and wastes less padding) and a microbatch is closed when the next row would push rows x max length
-    past the budget. Each microbatch is trimmed to its own longest row. A single row longer than ``max_tokens``
-    cannot be split (its tokens attend to each other) and becomes a microbatch of its own, over budget.
-    Every row lands in exactly one microbatch; ``Batch.source_rows`` says which row of the collated batch it is.
+    Rows are taken longest first (``sort_by_length``; in batch order without it) and a microbatch is closed when
+    the next row would push rows x max length past the budget, or would fill less than half of the microbatch's
+    length: a row pads to its microbatch's longest, so with long-tailed completion lengths one batch-wide
+    microbatch computes mostly padding (docs/results/2026-12-07-throughput.md). Each microbatch is trimmed to
+    its own longest row. A single row longer than ``max_tokens`` cannot be split (its tokens attend to each other)
+    and becomes a microbatch of its own, over budget. Every row lands in exactly one microbatch;
+    ``Batch.source_rows`` says which row of the collated batch it is.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens: must be > 0, got {max_tokens}")
@@ -143,7 +145,7 @@ def microbatches(batch: Batch, max_tokens: int, sort_by_length: bool = False) ->
     longest = 0
     for i in order:
         grown = max(longest, lengths[i])
-        if current and grown * (len(current) + 1) > max_tokens:
+        if current and (grown * (len(current) + 1) > max_tokens or 2 * lengths[i] < longest):
             chunks.append(current)
             current, grown = [], lengths[i]
         current.append(i)

@@ -176,14 +176,34 @@ def test_microbatches_respect_budget_and_reassemble(tiny: tuple[Path, torch.nn.M
 
 
 def test_row_longer_than_budget_is_its_own_microbatch() -> None:
-    batch = collate(two_groups(), [[1.0, -1.0], [0.5, -0.5]], pad_id=PAD)
-    mbs = microbatches(batch, max_tokens=4)
+    batch = collate(two_groups(), [[1.0, -1.0], [0.5, -0.5]], pad_id=PAD)  # row lengths 5, 4, 5, 2
+    mbs = microbatches(batch, max_tokens=4, sort_by_length=False)
     assert [mb.source_rows.tolist() for mb in mbs] == [[0], [1], [2], [3]]
     assert mbs[0].input_ids.numel() == 5  # over budget: one row cannot be split
-    assert [mb.source_rows.tolist() for mb in microbatches(batch, 10)] == [[0, 1], [2, 3]]
-    assert len(microbatches(batch, 1000)) == 1
+    # In order: rows 0 and 1 fit 10 tokens; row 3 (2 tokens) would fill less than half of row 2's 5.
+    assert [mb.source_rows.tolist() for mb in microbatches(batch, 10, sort_by_length=False)] == [[0, 1], [2], [3]]
+    assert [mb.source_rows.tolist() for mb in microbatches(batch, 1000, sort_by_length=False)] == [[0, 1, 2], [3]]
+    # Longest first by default; the row of 2 tokens would fill less than half of a microbatch 5 long.
+    assert [mb.source_rows.tolist() for mb in microbatches(batch, 1000)] == [[0, 2, 1], [3]]
     with pytest.raises(ValueError):
         microbatches(batch, 0)
+
+
+def test_long_tailed_rows_are_not_padded_to_the_longest() -> None:
+    """Completions of 1-200 tokens: one batch-wide microbatch pads every row to 200; longest-first microbatches
+    that close below half their length pad each row at most to twice its own length."""
+    rng = np.random.default_rng(0)
+    lengths = [200, 150, *rng.integers(1, 60, 30).tolist()]
+    members = [completion("t@e0r0", i, len(lengths), [1, 2], rng.integers(3, 300, n).tolist(), [-1.0] * n)
+               for i, n in enumerate(lengths)]
+    batch = collate([group("t@e0r0", members)], [[0.5] * len(lengths)], pad_id=PAD)
+    mbs = microbatches(batch, max_tokens=1 << 20)
+    padded = sum(mb.input_ids.numel() for mb in mbs)
+    assert padded < 0.3 * batch.input_ids.numel()  # 32 rows x 202 before
+    for mb in mbs:
+        lens = mb.seq_lengths
+        assert int(lens.max()) <= 2 * int(lens.min())
+    assert sorted(torch.cat([mb.source_rows for mb in mbs]).tolist()) == list(range(len(lengths)))
 
 
 def test_hf_generate_logprobs_match_learner(tiny: tuple[Path, torch.nn.Module]) -> None:

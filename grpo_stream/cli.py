@@ -81,7 +81,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "learner":
         from grpo_stream.bench import learner
 
-        return learner.main(bootstrap=args.bootstrap, steps=args.steps)
+        return learner.main(bootstrap=args.bootstrap, steps=args.steps or 5)
     if args.what == "verifier":
         from grpo_stream.bench import verifier
 
@@ -95,6 +95,20 @@ def _bench(args: argparse.Namespace) -> int:
 
         return engine.main(seconds=args.budget or 20.0, repeats=args.repeats or 3, lengths=args.lengths,
                            out=args.out or "runs/bench-engine", batch=args.batch)
+    if args.what == "predict":
+        from grpo_stream.bench import predict
+
+        if not args.throughput:
+            raise ConfigError("bench predict: --throughput names the bench throughput JSON to read steps/s from")
+        return predict.main(args.throughput, args.runs, args.arm, args.target)
+    if args.what == "throughput":
+        from grpo_stream.bench import throughput
+
+        return throughput.main(preset=args.preset, demo=args.demo, dist=args.length_dist, median=args.median,
+                               p99_ratio=args.p99_ratio, group_size=args.group_size, prompts=args.prompts,
+                               max_tokens=args.max_tokens, repeats=args.repeats or 3, warmup=args.warmup,
+                               steps=args.steps, budget_s=args.budget or 900.0, arms=args.arms, short=args.short,
+                               out=args.out or "runs/bench-throughput")
     if args.what == "async":
         from grpo_stream.bench import async_bench
 
@@ -217,27 +231,50 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
-    b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async", "engine"])
+    b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async", "engine", "throughput",
+                                    "predict"])
+    b.add_argument("runs", nargs="*", help="predict: learning runs (demo or sweep run directories) to check")
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")
-    b.add_argument("--steps", type=int, default=5, help="learner: timed steps per model")
+    b.add_argument("--steps", type=int, default=None, help="learner: timed steps per model (5); throughput: "
+                                                             "measured learner steps per arm, after --warmup (a "
+                                                             "preset 4, --demo 150)")
     b.add_argument("--budget", type=float, default=None,
-                   help="async: seconds per arm from its first token (default 90); engine: seconds per run (20)")
+                   help="async: seconds per arm from its first token (default 90); engine: seconds per run (20); "
+                        "throughput: the most seconds an arm may take, start-up included (900)")
     b.add_argument("--repeats", type=int, default=None,
-                   help="async, engine: runs of every arm, interleaved (min/median/max; default 1, engine 3)")
+                   help="async, engine, throughput: runs of every arm, interleaved (min/median/max; default 1, "
+                        "engine and throughput 3)")
     b.add_argument("--batch", type=int, default=None, help="engine: groups per batch and in flight (default: "
                                                           "groups_per_batch of configs/bench-async.yaml, 16)")
     b.add_argument("--lengths", default="1-8", help="engine: digit counts of the copy prompts, a range (1-8) or a "
                                                    "list to draw from (1,1,2,12: a repeat is a weight)")
-    b.add_argument("--target", type=float, default=0.6, help="async: the held-out reward each arm is timed to")
+    b.add_argument("--target", type=float, default=0.6, help="async, predict: the held-out reward timed to")
+    b.add_argument("--throughput", default=None, help="predict: a bench throughput JSON (steps/s per arm)")
+    b.add_argument("--arm", default="P demo", help="predict: the throughput arm whose steps/s the runs had")
     b.add_argument("--task", default="copy_short", help="async: the multi-token synthetic family every arm learns "
                                                          "(copy_short: 1-4 digits; copy: 1-8, the longer tail)")
-    b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run)")
+    b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run); "
+                                                        "throughput: every arm, tiny preset, 1+3 steps, 1 repeat")
+    b.add_argument("--preset", default="50m", choices=["tiny", "50m", "qwen2.5-0.5b"],
+                   help="throughput: the model (random weights; qwen2.5-0.5b: Qwen2.5-0.5B's shape)")
+    b.add_argument("--demo", action="store_true", help="throughput: the demo's task, model and configs/demo.yaml "
+                                                       "(arms S, S-hybrid, P demo, TRL) instead of a preset")
+    b.add_argument("--length-dist", default="lognormal", choices=["lognormal", "fixed", "model"],
+                   help="throughput: completion lengths (EOS ignored; model: the model's own)")
+    b.add_argument("--median", type=int, default=64, help="throughput: median completion length in tokens")
+    b.add_argument("--p99-ratio", type=float, default=8.0, help="throughput: lognormal p99 / median (the tail)")
+    b.add_argument("--max-tokens", type=int, default=512, help="throughput: the cap of the drawn lengths")
+    b.add_argument("--group-size", type=int, default=8, help="throughput: G")
+    b.add_argument("--prompts", type=int, default=2, help="throughput: prompts (groups) per learner step")
+    b.add_argument("--warmup", type=int, default=None,
+                   help="throughput: learner steps per arm before the clock (a preset 1, --demo 20)")
     b.add_argument("--out", default=None, help="async, engine: output directory (runs/bench-async, runs/bench-engine)")
-    b.add_argument("--arms", default=None, help="async: only these arms, comma-separated (S, S-hybrid, "
-                                                "P-v1-between, P-v1-inflight, P-v4-between, P-v4-inflight; "
-                                                "S-lag2 only when named)")
+    b.add_argument("--arms", default=None, help="async, throughput: only these arms, comma-separated (S, "
+                                                "S-hybrid, P-v1-between, P-v1-inflight, P-v4-between, "
+                                                "P-v4-inflight; async: S-lag2 only when named; throughput: TRL, "
+                                                "and with --demo P-demo)")
     b.set_defaults(fn=_bench)
 
     r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")
@@ -313,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     # key=value overrides may follow options (`topics create --config f.yaml a.b=1`), which argparse's
     # positional matching does not allow; collect the leftovers for the commands that take overrides.
     args, extra = parser.parse_known_args(argv)
+    # the same for `bench predict`'s run directories after its options (`--target 0.95 runs/a runs/b`)
+    if extra and hasattr(args, "runs") and not any(e.startswith("-") for e in extra):
+        args.runs, extra = [*args.runs, *extra], []
     if extra and (not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:

@@ -42,11 +42,14 @@ VOCAB_MULTIPLE = 64  # the embedding matrix is padded to a multiple of this (fri
 BUILD_FILE = "build.json"
 BUILD_FORMAT = 1  # bump when the builder's output changes, so cached builds are rebuilt
 
-# hidden / heads == 64 everywhere (vLLM CPU). Parameter counts (vocab 320, tied embeddings):
-# tiny 0.33M, 50m 49.0M (see param_count()).
+# hidden / heads == 64 everywhere (vLLM CPU). Parameter counts (tied embeddings): tiny 0.33M and 50m 49.0M
+# (vocab 320); qwen2.5-0.5b 494M: Qwen2.5-0.5B's real shape, its embedding padded to Qwen's 151,936 rows (ids past
+# the tokenizer's 320 decode to nothing), so compute and memory per token are the real model's.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"hidden": 128, "layers": 2, "heads": 2, "kv_heads": 1, "intermediate": 256, "max_position": 512},
     "50m": {"hidden": 768, "layers": 8, "heads": 12, "kv_heads": 2, "intermediate": 2048, "max_position": 1024},
+    "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864,
+                     "max_position": 32768, "vocab": 151936},
 }
 _DEFAULTS: dict[str, Any] = {"seed": 0, "dtype": "float32", "tie_embeddings": True}
 
@@ -128,8 +131,9 @@ def resolve_params(preset: str = "tiny", **overrides: Any) -> dict[str, Any]:
 
 
 def make_config(params: dict[str, Any], vocab_size: int, eos_id: int) -> Qwen2Config:
-    """The Qwen2 config for resolved ``params``; the vocab is padded up to a multiple of 64."""
-    padded_vocab = -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    """The Qwen2 config for resolved ``params``; the vocab is padded up to a multiple of 64 (or to the preset's
+    ``vocab`` rows, when it names more)."""
+    padded_vocab = max(-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, params.get("vocab", 0))
     return Qwen2Config(
         vocab_size=padded_vocab, hidden_size=params["hidden"], num_hidden_layers=params["layers"],
         num_attention_heads=params["heads"], num_key_value_heads=params["kv_heads"],

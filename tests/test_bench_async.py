@@ -264,6 +264,8 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
     from grpo_stream.bench import async_sync
     from grpo_stream.run import role_configs
     from grpo_stream.tiny_model import build_tiny_model
+    from grpo_verifiers.config import VerifierConfig
+    from grpo_verifiers.rewards.registry import Plan
 
     model = build_tiny_model(tmp_path / "m")
     tok = AutoTokenizer.from_pretrained(model)
@@ -301,11 +303,12 @@ def test_the_sync_loop_trains_each_batch_lag_versions_after_the_weights_that_gen
             return super().train_step(groups)
 
     pcfg, lcfg = build(ProducerConfig, roles["producer"], "producer"), build(LearnerConfig, roles["learner"], "learner")
+    score = async_sync.Scorer(Plan(build(VerifierConfig, roles["verifier"], "verifier").rewards), ["copy_short"])
     monkeypatch.setattr(async_sync, "Trainer", Recording)
-    res = async_sync._loop(Engine(), pcfg, lcfg, ["copy_short"], 2.0, tmp_path / "out", 4, lag, (gen_cpus, every))
+    res = async_sync._loop(Engine(), pcfg, lcfg, score, (300.0, 4), tmp_path / "out", 4, lag, (gen_cpus, every))
     assert os.sched_getaffinity(0) == every
     assert placed == {("generate", frozenset(gen_cpus)), ("load_weights", frozenset(gen_cpus)),
                       ("train_step", frozenset(every))}
-    assert res.steps == len(trained) == len(res.step_metrics) >= 3
+    assert res.steps == len(trained) == len(res.step_metrics) == len(res.step_ends) == 4  # max_steps ends it
     # the warm-up loaded the weights once: step k's batch came after 1 + max(0, k - lag) loads, labelled as such
     assert trained == [(max(0, k - lag), 1 + max(0, k - lag)) for k in range(len(trained))]

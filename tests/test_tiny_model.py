@@ -94,6 +94,7 @@ def test_presets_and_overrides() -> None:
     assert set(PRESETS) >= {"tiny", "50m"}
     assert 0.2e6 < param_count("tiny") < 0.5e6
     assert 45e6 < param_count("50m") < 55e6
+    assert 480e6 < param_count("qwen2.5-0.5b") < 510e6  # Qwen2.5-0.5B: 494M
     for p in PRESETS.values():
         assert p["hidden"] // p["heads"] == 64
     with pytest.raises(TypeError, match="unknown parameters"):

@@ -35,9 +35,11 @@ from grpo_learner.publish import unique_tensors
 from grpo_learner.service import load_model
 from grpo_learner.trainer import Trainer
 from grpo_producers.config import ProducerConfig
+from grpo_producers.datasets import SYNTHETIC_REWARDS
 from grpo_stream.bench import cpu_use
 from grpo_stream.demo_model import task_items
-from grpo_verifiers.rewards.builtins import positions
+from grpo_verifiers.config import VerifierConfig
+from grpo_verifiers.rewards.registry import Plan
 
 
 @dataclass
@@ -53,13 +55,18 @@ class SyncRun:
     tokens: int = 0
     snapshots: list[tuple[float, int, Path]] = field(default_factory=list)
     step_metrics: list[dict[str, float]] = field(default_factory=list)  # each step's learner metrics, in order
+    step_ends: list[float] = field(default_factory=list)  # seconds from the clock's start to each step's end
+    completions: int = 0
+    trained_tokens: int = 0
     cpu_steal: float | None = None  # the largest share of a CPU's time the host took while the clock ran
     cpu_by_role: dict[str, float] = field(default_factory=dict)  # CPUs used meanwhile: S's tree, the rest
 
 
 def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float, out: Path,
-             gen_cpus: set[int], train_cpus: set[int], snapshots: int = 80, lag: int = 0) -> SyncRun:
-    """Run arm S for ``budget_s`` from the resolved role configs of the run (``run.role_configs``).
+             gen_cpus: set[int], train_cpus: set[int], snapshots: int = 80, lag: int = 0,
+             max_steps: int = 0) -> SyncRun:
+    """Run arm S for ``budget_s`` (or until ``max_steps`` > 0 steps) from the resolved role configs of the run
+    (``run.role_configs``); ``snapshots`` 0: no weight snapshots (``bench throughput`` evaluates none).
 
     ``lag`` > 0 trains each step on the batch generated ``lag`` versions earlier (the first ``lag`` batches wait):
     the staleness a pipeline has, without the pipeline. Nothing overlaps, so it is no faster per step than S; it
@@ -68,27 +75,48 @@ def run_sync(roles: dict[str, dict[str, Any]], tasks: list[str], budget_s: float
 
     pcfg = build(ProducerConfig, roles["producer"], "producer")
     lcfg = build(LearnerConfig, roles["learner"], "learner")
-    validate_tree(pcfg)
-    validate_tree(lcfg)
+    vcfg = build(VerifierConfig, roles["verifier"], "verifier")
+    for cfg in (pcfg, lcfg, vcfg):
+        validate_tree(cfg)
     torch.manual_seed(lcfg.seed)
     os.sched_setaffinity(0, gen_cpus)  # the engine's processes start here and stay here
     engine = make_backend(pcfg.backend_config())
     os.sched_setaffinity(0, train_cpus)
     torch.set_num_threads(len(train_cpus))
     try:
-        return _loop(engine, pcfg, lcfg, tasks, budget_s, out, snapshots, lag, (gen_cpus, train_cpus))
+        score = Scorer(Plan(vcfg.rewards), tasks)
+        return _loop(engine, pcfg, lcfg, score, (budget_s, max_steps), out, snapshots, lag, (gen_cpus, train_cpus))
     finally:
         engine.close()
 
 
-def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[str], budget_s: float, out: Path,
-          snapshots: int, lag: int, pinned: tuple[set[int], set[int]]) -> SyncRun:
+@dataclass
+class Scorer:
+    """The verifier's rewards for the synthetic families' task (one reward: the families share it), called in
+    this process, as the pipeline's verifier calls its inline-trusted terms."""
+
+    plan: Plan
+    tasks: list[str]
+
+    @property
+    def task(self) -> str:
+        rewards = {SYNTHETIC_REWARDS.get(t, "exact") for t in self.tasks}
+        if len(rewards) != 1:
+            raise ValueError(f"arm S scores one task; the families {self.tasks} are scored by {sorted(rewards)}")
+        return rewards.pop()
+
+    def __call__(self, text: str, answer: str) -> float:
+        return self.plan.score_here(self.task, text, "", {"answer": answer})
+
+
+def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, score: Scorer, limits: tuple[float, int],
+          out: Path, snapshots: int, lag: int, pinned: tuple[set[int], set[int]]) -> SyncRun:
     from transformers import AutoTokenizer
 
     gen_cpus, cpus = pinned[0], pinned[0] | pinned[1]
 
     tok = AutoTokenizer.from_pretrained(pcfg.backend.tokenizer or pcfg.backend.model)
-    prompts, answers = task_items(tasks, "train")
+    prompts, answers = task_items(score.tasks, "train")
     ids = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts]
     trainer = Trainer(lcfg, load_model(lcfg.model))
     sampling, g, b = pcfg.sampling_params(), pcfg.pipeline.group_size, lcfg.groups_per_batch
@@ -98,8 +126,10 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
         res.warmup_s = _warm_up(engine, [ids[i] for i in order[:b]], g, sampling, trainer.model, weights_dir)
     generated: deque[tuple[list[int], list[Any], int]] = deque()  # (prompts, samples, version), oldest first
     start, cpu = time.perf_counter(), cpu_use.read({"S": os.getpid()})  # S's tree: its engine's processes too
-    res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
-    while time.perf_counter() - start < budget_s:
+    budget_s, max_steps = limits
+    if snapshots:
+        res.snapshots.append((0.0, 0, _snapshot(trainer.model, out / "snapshots" / "s0000")))
+    while time.perf_counter() - start < budget_s and not (max_steps and res.steps >= max_steps):
         if len(order) < b:
             order = list(range(len(prompts)))
         rng.shuffle(order)
@@ -109,25 +139,30 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, tasks: list[st
             generated.append((picks, engine.generate([ids[i] for i in picks], g, sampling), res.steps))
         res.gen_s += time.perf_counter() - t0
         res.tokens += sum(len(x.token_ids) for group in generated[-1][1] for x in group)
+        res.completions += sum(len(group) for group in generated[-1][1])
         if len(generated) <= lag:  # lag > 0: the first batches wait until they are `lag` versions old
             continue
         picks, samples, version = generated.popleft()
         t0 = time.perf_counter()
-        groups = [_group(f"s{res.steps}-{i}", ids[i], answers[i], s, tok, pcfg, version)
+        groups = [_group(f"s{res.steps}-{i}", ids[i], answers[i], s, tok, pcfg, version, score)
                   for i, s in zip(picks, samples, strict=True)]
-        res.step_metrics.append(trainer.train_step(groups).metrics)
+        stats = trainer.train_step(groups)
+        res.step_metrics.append(stats.metrics)
+        res.trained_tokens += stats.tokens
         _save(trainer.model, weights_dir)
         with _on(gen_cpus, pinned[1]):
             engine.load_weights(weights_dir)
         res.train_s += time.perf_counter() - t0
         res.steps += 1
         now = time.perf_counter() - start
-        if now >= len(res.snapshots) * budget_s / snapshots:
+        res.step_ends.append(now)
+        if snapshots and now >= len(res.snapshots) * budget_s / snapshots:
             res.snapshots.append((now, res.steps, _snapshot(trainer.model, out / "snapshots" / f"s{res.steps:04d}")))
     res.wall_s = time.perf_counter() - start
     end = cpu_use.read({"S": os.getpid()})
     res.cpu_steal, res.cpu_by_role = cpu_use.stolen(cpu.machine, end.machine, cpus), cpu_use.cpus_by_role(cpu, end)
-    res.snapshots.append((res.wall_s, res.steps, _snapshot(trainer.model, out / "snapshots" / "final")))
+    if snapshots:
+        res.snapshots.append((res.wall_s, res.steps, _snapshot(trainer.model, out / "snapshots" / "final")))
     return res
 
 
@@ -155,17 +190,16 @@ def _warm_up(engine: Any, prompts: list[list[int]], g: int, sampling: Any, model
 
 
 def _group(gid: str, prompt: list[int], answer: str, samples: list[Any], tok: Any, pcfg: ProducerConfig,
-           version: int) -> wire.ScoredGroup:
+           version: int, score: Scorer) -> wire.ScoredGroup:
     g = pcfg.pipeline.group_size
     members = [wire.Completion(
-        group_id=gid, index=k, group_size=g, prompt_id=gid, task="positions",
+        group_id=gid, index=k, group_size=g, prompt_id=gid, task=score.task,
         prompt_token_ids=np.asarray(prompt, np.int32), completion_token_ids=s.token_ids,
         behaviour_logprobs=s.logprobs, policy_version=version, producer_id="sync", finish_reason=s.finish_reason,
         logprob_temperature=pcfg.logprob_temperature()) for k, s in enumerate(samples)]
-    rewards = [positions(tok.decode(s.token_ids, skip_special_tokens=True), "", {"answer": answer})[0]
-               for s in samples]
+    rewards = [score(tok.decode(s.token_ids, skip_special_tokens=True), answer) for s in samples]
     mean, std = group_stats(rewards, pcfg.pipeline.stats_eps)
-    return wire.ScoredGroup(group_id=gid, prompt_id=gid, task="positions", policy_version=version,
+    return wire.ScoredGroup(group_id=gid, prompt_id=gid, task=score.task, policy_version=version,
                             completions=members, rewards=rewards, reward_mean=mean, reward_std=std,
                             verifier_id="sync", group_size=g)
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (issue #12, section 4; grpo_stream/bench/gpu_check.py): the learner's train step on CUDA in bf16
 # (i = 1 and i = 10, Qwen2.5-0.5B's shape with random weights, 28 groups x G = 16 x 200-token completions), the HF
-# backend generating on CUDA, and the on-policy ratio check. Prints a summary table; exits non-zero when a check
-# fails. Under 5 minutes on an H200.
+# backend generating on CUDA, the on-policy ratio check, and `bench throughput`'s learner side: one learner step
+# per model preset (tiny, 50m, qwen2.5-0.5b) on its batch shape (grpo_stream/bench/gpu_presets.py). Prints a
+# summary table; exits non-zero when a check fails. Under 5 minutes on an H200.
 #
 #   ./ops/gpu-check.sh [--json FILE] [--peak-tflops N]    on a GPU machine, from anywhere
 #   ./ops/gpu-check.sh --smoke                             the same code on CPU with a tiny model (seconds)
@@ -58,7 +59,8 @@ args=()
 if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then args+=(--smoke); fi
 cd "$ROOT"
 set +e
-"$PY" -m grpo_stream.bench.gpu_check --paper-config "$ROOT/configs/paper/gsm8k-v1-i1.yaml" "${args[@]}" "$@"
+"$PY" -m grpo_stream.bench.gpu_check --paper-config "$ROOT/configs/paper/gsm8k-v1-i1.yaml" \
+  --bench-config "$ROOT/configs/bench-throughput.yaml" "${args[@]}" "$@"
 rc=$?
 set -e
 echo "gpu-check: ${SECONDS} s in all (set-up and imports included)"

@@ -13,12 +13,15 @@ from pathlib import Path
 import pytest
 
 from grpo_stream.bench import gpu_check
+from grpo_stream.tiny_model import param_count
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["device", "model", "learner config", "generation", "generation tokens/s", "generation peak memory",
           "ratio |r-1| mean", "ratio |r-1| max", "ratio control (1-token shift)", "train batch", "imports", "wall time",
+          "preset tiny step",
           *(f"i={i} {what}" for i in (1, 10) for what in ("step time", "split", "tokens/s", "peak memory", "MFU"))]
-CHECKS = ["generation", "on-policy ratio", "ratio control", "i=1 train steps", "i=10 train steps", "imports", "time"]
+CHECKS = ["generation", "on-policy ratio", "ratio control", "i=1 train steps", "i=10 train steps", "imports", "time",
+          "preset tiny train steps"]
 # Not installed on the GPU machine (kafka-python is, as a carried wheel; here the venv's copy stands in for it).
 BLOCKER = """import sys
 ABSENT = {"lz4", "crc32c", "math_verify", "datasets", "vllm"}
@@ -46,7 +49,7 @@ def test_the_smoke_mode_prints_every_field_and_passes_its_checks(tmp_path: Path)
     assert set(FIELDS) <= set(rows), sorted(set(FIELDS) - set(rows))
     for name in CHECKS:
         assert f"PASS  {name}: " in table
-    assert "FAIL" not in table and "\ngpu-check: PASS (7/7 checks passed)\n" in table
+    assert "FAIL" not in table and "\ngpu-check: PASS (8/8 checks passed)\n" in table
     assert re.search(r"\ngpu-check: \d+ s in all \(set-up and imports included\)\n$", table)
     # The services came from the script's links in its temporary directory, not from the editable install.
     assert f"grpo_learner {tmp_path}/gpu-check-site." in rows["imports"]
@@ -55,6 +58,10 @@ def test_the_smoke_mode_prints_every_field_and_passes_its_checks(tmp_path: Path)
     data = json.loads((tmp_path / "gc.json").read_text())
     assert data["ratio"]["mean_abs"] < gpu_check.RATIO_BOUND < data["ratio"]["control_mean_abs"]
     assert data["i=10"]["tokens_completion"] == 4 * 4 * 16 and data["i=10"]["mfu"] > 0
+    # bench throughput's learner side: 2 prompts x G 8 with drawn lengths (each in [1, 512]) on the tiny preset
+    tiny = data["presets"]["tiny"]
+    assert 16 <= tiny["completion_tokens"] <= 16 * 512 and tiny["step_s"] > 0
+    assert tiny["params"] == param_count("tiny")
     assert not list(tmp_path.glob("gpu-check-site.*")), "the script leaves its temporary directory behind"
 
 

@@ -3,7 +3,8 @@
 On a model of Qwen2.5-0.5B's shape (random weights, bf16): the learner's real train step under the paper's §5.1
 learner config on 28 in-memory scored groups of G = 16 x 200 tokens, i = 1 and i = 10 (step time split, tokens/s,
 peak memory, MFU); the HF backend generating (tokens/s); the on-policy ratio check (the learner's recompute of the
-backend's samples against its logprobs). Run by ``ops/gpu-check.sh`` (its header: what the machine needs);
+backend's samples against its logprobs); ``bench throughput``'s learner side, one step per model preset
+(:mod:`grpo_stream.bench.gpu_presets`). Run by ``ops/gpu-check.sh`` (its header: what the machine needs);
 ``--smoke`` runs the same code on CPU with a tiny shape in seconds (the test suite's mode).
 """
 
@@ -35,6 +36,7 @@ from grpo_learner.config import LearnerConfig
 from grpo_learner.logprobs import completion_logprobs
 from grpo_learner.trainer import DTYPES, StepStats, Trainer, load_model
 from grpo_producers.backends.base import BackendConfig, SamplingConfig, make_backend
+from grpo_stream.bench.gpu_presets import BENCH_CONFIG, presets_section
 from grpo_stream.tiny_model import build_tokenizer
 
 # Dense (no sparsity) bf16 tensor-core peaks by GPU name. The H200 has the H100 SXM's compute (more memory only).
@@ -63,18 +65,19 @@ class Plan:
     micro_batch_tokens: int | None = None  # None: the paper config's
     dtype: str = "bfloat16"
     temperature: float = 1.0
+    presets: tuple[str, ...] = ()  # bench throughput's learner side per model preset (gpu_presets)
 
 
 QWEN25_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
               "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768}
 # An i = 10 step is ~31 forwards of 157k tokens: ~17 s at 25% MFU, so three of them fit the 5 minutes down to ~10%.
 GPU = Plan("gpu", QWEN25_05B, "cuda", groups=28, group_size=16, completion_len=200, prompt_len=(100, 150),
-           steps={1: (1, 3), 10: (1, 2)}, gen_prompts=8, budget_s=300.0)
+           steps={1: (1, 3), 10: (1, 2)}, gen_prompts=8, budget_s=300.0, presets=("tiny", "50m", "qwen2.5-0.5b"))
 SMOKE_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
                "intermediate_size": 128, "vocab_size": 320, "max_position_embeddings": 512}
 SMOKE = Plan("smoke", SMOKE_SHAPE, "cpu", groups=4, group_size=4, completion_len=16,
              prompt_len=(8, 12), steps={1: (1, 1), 10: (0, 1)}, gen_prompts=2, budget_s=300.0,
-             micro_batch_tokens=256)  # two micro-batches per step: accumulation, as on the GPU
+             micro_batch_tokens=256, presets=("tiny",))  # two micro-batches per step: accumulation, as on the GPU
 
 
 @dataclass
@@ -346,7 +349,8 @@ def imports_row(report: Report) -> None:
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
-def run(plan: Plan, paper_config: Path, peak_tflops: float | None, report: Report) -> None:
+def run(plan: Plan, paper_config: Path, peak_tflops: float | None, report: Report,
+        bench_config: Path = Path(BENCH_CONFIG)) -> None:
     start = time.monotonic()
     device = torch.cuda.get_device_name() if plan.device.startswith("cuda") else "cpu"
     report.row("device", f"{device} ({plan.device}, {plan.dtype}), torch {torch.__version__}")
@@ -360,6 +364,8 @@ def run(plan: Plan, paper_config: Path, peak_tflops: float | None, report: Repor
         report.row("learner config", f"{paper_config.name}: loss {base.loss.variant} beta {base.loss.beta:g}, "
                                      f"micro_batch_tokens {base.micro_batch_tokens}, lr {base.optim.lr:g}")
         guarded(report, "generation", lambda: generation_section(plan, base, rng, report))
+        # before the i sections: they share out whatever is left of the budget
+        guarded(report, "presets", lambda: presets_section(plan, bench_config, report))
         groups = synthetic_groups(plan, rng)
         report.row("train batch", f"{len(groups)} groups x G={plan.group_size}, completions {plan.completion_len} "
                                   f"tokens, prompts {plan.prompt_len[0]}-{plan.prompt_len[1]} tokens")
@@ -391,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shape on CPU in seconds (the test suite's mode)")
     ap.add_argument("--paper-config", type=Path, default=Path(PAPER_CONFIG), help="run YAML whose learner section "
                     "is used (default: %(default)s, relative to the working directory)")
+    ap.add_argument("--bench-config", type=Path, default=Path(BENCH_CONFIG), help="bench throughput's run YAML "
+                    "(its learner section times the presets; default: %(default)s)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for the MFU (default: by GPU name)")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -399,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA device (use --smoke for the CPU mode)", file=sys.stderr)
         return 2
     report = Report()
-    guarded(report, "set-up", lambda: run(plan, args.paper_config, args.peak_tflops, report))
+    guarded(report, "set-up", lambda: run(plan, args.paper_config, args.peak_tflops, report, args.bench_config))
     report.print()
     if args.json:
         args.json.write_text(json.dumps({"plan": plan.name, "rows": dict(report.rows), **report.data,

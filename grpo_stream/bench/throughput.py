@@ -40,6 +40,7 @@ from typing import Any, Literal
 from grpo_core.config import load_config
 from grpo_producers.backends.lengths import LengthsConfig
 from grpo_stream.bench import cpu_use
+from grpo_stream.bench.async_bench import producer_metrics
 from grpo_stream.configs import shipped_config
 
 CACHE = Path(".cache") / "bench-models"
@@ -193,9 +194,9 @@ def scrape(ports: list[int]) -> dict[str, float]:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
         except OSError:
             continue
+        found = producer_metrics(text)
         for name in PRODUCER_COUNTERS:
-            m = re.search(rf"^grpo_stream_producer_{name} ([0-9.e+-]+)$", text, re.M)
-            total[name] += float(m.group(1)) if m else 0.0
+            total[name] += found.get(f"grpo_stream_producer_{name}", 0.0)
     return total
 
 

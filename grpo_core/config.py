@@ -3,6 +3,12 @@
 Every field is declared with :func:`opt`, which carries its documentation (``grpo-stream config explain``
 prints it). Loading is strict: unknown keys, wrong types and failed ``validate()`` checks raise
 :class:`ConfigError` naming the dotted key and what would be accepted, before the process does any work.
+Loading needs no heavy imports (no torch, transformers or vLLM): the CLI loads a role's config before it
+imports the role, so a mistyped key is rejected in well under a second.
+
+``validate()`` checks a config on its own (it must hold on any machine: ``k8s check`` validates the configs of
+pods); ``check_paths()`` methods (:func:`check_paths`) check it against this machine (a model directory that
+must exist) and run where a process is about to start.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Iterator, Sequence
@@ -22,7 +29,12 @@ import yaml
 C = TypeVar("C")
 
 
-class ConfigError(ValueError):
+class InputError(Exception):
+    """Bad input the user has to fix (a setting, a path, an address nothing answers at): the CLI prints its
+    message, one line naming the cause, and exits 2 without a traceback."""
+
+
+class ConfigError(InputError, ValueError):
     """A configuration problem, phrased so the user knows which key to change and how."""
 
 
@@ -60,6 +72,9 @@ class KafkaConfig:
     compression: Literal["lz4", "gzip", "none"] = opt(
         "lz4", "Producer compression. lz4: cheapest CPU per byte; logprob floats barely compress anyway.")
     request_timeout_ms: int = opt(30_000, "Client request timeout.")
+    connect_timeout_s: float = opt(
+        60.0, "How long a new client waits for a broker to answer at kafka.bootstrap before the process exits "
+              "(code 2) with one line naming the address; a broker down at start-up is waited for this long.")
     max_record_bytes: int = opt(
         16 * 1024 * 1024, "Largest record any client sends or fetches; must not exceed the topics' max.message.bytes.")
 
@@ -70,6 +85,7 @@ class KafkaConfig:
             require(self.sasl_password_env in os.environ,
                     f"kafka.sasl_password_env: environment variable {self.sasl_password_env} is not set")
         require(1024 <= self.max_record_bytes <= 1 << 30, "kafka.max_record_bytes: must be in [1 KiB, 1 GiB]")
+        require(self.connect_timeout_s > 0, f"kafka.connect_timeout_s: must be > 0, got {self.connect_timeout_s}")
 
     def resolved_bootstrap(self) -> str:
         return self.bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or "127.0.0.1:9092"
@@ -133,6 +149,52 @@ class MetricsConfig:
     def validate(self) -> None:
         require(-1 <= self.port <= 65535, "metrics.port: must be -1 (off), 0 (any) or a port number")
         require(self.stall_s >= 0, "metrics.stall_s: must be >= 0 (0: off)")
+
+
+# ------------------------------------------------------------------------------------------ this machine
+
+# A Hugging Face hub id: "name" or "org/name" (no leading dot or slash, at most one slash).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def check_model_path(value: str, key: str, need: str | None = "config.json") -> None:
+    """A model setting (``model.path``, ``backend.model``): an existing local directory (holding ``need``), or a
+    hub id. A value that is not an existing directory is taken as a hub id only in the hub's form (``org/name``
+    or ``name``); anything else (an absolute or ``./`` path, two slashes or more) is a local path that is missing.
+    With the hub switched off (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``) a hub id must be in the local cache,
+    since nothing can be downloaded."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        require(need is None or (path / need).is_file(),
+                f"{key}: {value} has no {need}: not a Hugging Face model directory")
+        return
+    require(not path.exists(), f"{key}: {value} is a file; expected a model directory or a hub id")
+    require(bool(_HUB_ID.fullmatch(value)) and ".." not in value,
+            f"{key}: {value}: no such directory (a hub id has the form org/name)")
+    offline = any(os.environ.get(v, "").lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if offline:
+        cache = _hub_cache()
+        require((cache / f"models--{value.replace('/', '--')}").is_dir(),
+                f"{key}: {value}: no such directory, and as a hub id it is not in the local cache {cache} "
+                f"(HF_HUB_OFFLINE is set: nothing is downloaded)")
+
+
+def _hub_cache() -> Path:
+    """Where huggingface_hub keeps downloaded models (its own rule, without importing it)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def check_paths(cfg: Any) -> None:
+    """Call ``check_paths()`` of a loaded config, if it has one: what it names must exist on this machine. Run
+    by the CLI before a role starts and by ``grpo-stream run`` before anything starts; not part of
+    :func:`load_config`, so a config for another machine still validates here."""
+    check = getattr(cfg, "check_paths", None)
+    if callable(check):
+        check()
 
 
 # ------------------------------------------------------------------------------------------ loading

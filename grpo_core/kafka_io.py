@@ -10,36 +10,35 @@ Reliability in grpo-stream rests on two rules implemented here once:
 * :func:`commit_processed` -- offsets are committed explicitly, and only for records whose effect is durable.
 * :class:`DeadLetters` -- a record that cannot be decoded or validated is copied, bytes and coordinates and
   reason, to the ``dlq`` topic; only then may its offset be committed. Nothing is lost and nothing crashes.
+
+How a client connects (a bounded wait for the broker) and how an outage is reported (one WARNING, one INFO
+when it is over, whatever the number of calls that failed) is :mod:`grpo_core.kafka_connect`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import (
-    IllegalSaslStateError,
-    KafkaError,
-    KafkaTimeoutError,
-    SaslAuthenticationFailedError,
-    UnknownTopicOrPartitionError,
-    UnsupportedSaslMechanismError,
-)
+from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from grpo_core import kafka_patches, wire
-from grpo_core.config import ConfigError, KafkaConfig
+from grpo_core.config import KafkaConfig
+from grpo_core.kafka_connect import BROKER, client_settings, connect, is_outage, with_retry
+from grpo_core.kafka_connect import LOGIN_ERRORS as LOGIN_ERRORS
+from grpo_core.kafka_connect import BrokerLoginError as BrokerLoginError
+from grpo_core.kafka_connect import BrokerUnreachable as BrokerUnreachable
+from grpo_core.kafka_connect import redacted as redacted
 from grpo_core.retry import backoff_delay as retry_delay
-from grpo_core.retry import retry
 
 log = logging.getLogger(__name__)
 kafka_patches.apply()  # every client of the code base is made here: faster receives for large records
@@ -58,77 +57,6 @@ BrokerError = KafkaError  # every error the client raises for the broker or the 
 
 
 # ------------------------------------------------------------------------------------------ clients
-
-
-def client_settings(cfg: KafkaConfig, role: str) -> dict[str, Any]:
-    """Connection + security settings shared by every client (the secret comes from the environment)."""
-    settings: dict[str, Any] = {
-        "bootstrap_servers": cfg.resolved_bootstrap().split(","),
-        "client_id": f"{cfg.client_id}-{role}-{socket.gethostname()}-{os.getpid()}",
-        "security_protocol": cfg.security_protocol,
-        "request_timeout_ms": cfg.request_timeout_ms,
-        # kafka-python refuses any response larger than this: it must cover the largest fetch we ask for.
-        "receive_message_max_bytes": max(2 * cfg.max_record_bytes, 100 * 1024 * 1024),
-    }
-    if cfg.sasl_mechanism:
-        settings.update(sasl_mechanism=cfg.sasl_mechanism, sasl_plain_username=cfg.sasl_username,
-                        sasl_plain_password=cfg.sasl_password())
-    for key in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
-        if getattr(cfg, key):
-            settings[key] = getattr(cfg, key)
-    return settings
-
-
-def redacted(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Settings safe to log: secrets replaced."""
-    return {k: ("***" if "password" in k and v else v) for k, v in settings.items()}
-
-
-LOGIN_ERRORS = (SaslAuthenticationFailedError, UnsupportedSaslMechanismError, IllegalSaslStateError)
-
-
-class BrokerLoginError(ConfigError):
-    """The broker refused this client's credentials: a setting to fix, not an outage to wait out."""
-
-
-class _RefusedLoginEndsBootstrap(logging.Filter):
-    """kafka-python's bootstrap loop catches a refused SASL login, logs it and tries again until its
-    ``bootstrap_timeout_ms`` (30 s); then :func:`with_retry` would start it over: a wrong password would pass
-    for a broker outage for minutes. The loop logs the error object as an argument of that warning; raising it
-    from the log call ends the loop at once (:func:`_connect` turns it into :class:`BrokerLoginError`).
-    ``tests/test_security.py`` holds the pinned kafka-python to this."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for arg in record.args if isinstance(record.args, tuple) else ():
-            if isinstance(arg, LOGIN_ERRORS):
-                raise arg
-        return True
-
-
-_bootstrap_log = logging.getLogger("kafka.net.manager")
-_bootstrap_log.addFilter(_RefusedLoginEndsBootstrap())
-if _bootstrap_log.getEffectiveLevel() > logging.WARNING:  # a filter only sees records its logger lets through
-    _bootstrap_log.setLevel(logging.WARNING)
-
-
-def with_retry(fn: Callable[[], T], what: str, attempts: int = 10, backoff_s: float = 0.5) -> T:
-    """Retry a broker call (connect, metadata, offsets) with exponential backoff (:func:`grpo_core.retry.retry`).
-    kafka-python 3 raises KafkaError subclasses when no broker answers, OSError for socket failures; a refused
-    login is raised at once."""
-    return retry(fn, what, attempts=attempts, backoff_s=backoff_s, transient=(KafkaError, OSError),
-                 fatal=LOGIN_ERRORS)
-
-
-def _connect(make: Callable[[], T], cfg: KafkaConfig, role: str, what: str) -> T:
-    """A new client, retried while no broker answers; a refused login fails fast, naming what to check."""
-    try:
-        return with_retry(make, f"{role}: connect {what}")
-    except LOGIN_ERRORS as exc:
-        password = f"the password in ${cfg.sasl_password_env}" if cfg.sasl_password_env else "no password set"
-        raise BrokerLoginError(
-            f"{role}: the broker at {cfg.resolved_bootstrap()} refused the login of {what} (listener "
-            f"{cfg.security_protocol}, mechanism {cfg.sasl_mechanism}, user {cfg.sasl_username!r}): "
-            f"{type(exc).__name__}: {exc}. Check kafka.sasl_username and {password}") from None
 
 
 CLOSE_S = 10.0  # how long closing a producer waits for records still unacknowledged, then drops them
@@ -169,7 +97,7 @@ def make_producer(cfg: KafkaConfig, role: str, **overrides: Any) -> KafkaProduce
         "batch_size": 1024 * 1024,
         "allow_auto_create_topics": False,
     } | overrides
-    return _connect(lambda: BoundedCloseProducer(**settings), cfg, role, "producer")
+    return connect(lambda wait_s: BoundedCloseProducer(**settings | _bootstrap_wait(wait_s)), cfg, role, "producer")
 
 
 def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Iterable[str] = (),
@@ -184,7 +112,7 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
         "isolation_level": "read_committed",
         "allow_auto_create_topics": False,
     } | overrides
-    consumer = _connect(lambda: KafkaConsumer(**settings), cfg, role, "consumer")
+    consumer = connect(lambda wait_s: KafkaConsumer(**settings | _bootstrap_wait(wait_s)), cfg, role, "consumer")
     topics = list(topics)
     for topic in topics:
         # Subscribe only once the partitions are known: a group leader that assigns before its metadata has a
@@ -200,7 +128,6 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
     return consumer
 
 
-_last_poll_warning = 0.0
 OUTAGE_S = 3600.0  # how long a send waits for its ack through a broker that does not answer, then raises
 ACK_WAIT_S = 30.0  # one wait on a send's future before saying that it still waits
 
@@ -216,18 +143,21 @@ def acked(future: SendFuture, resend: Callable[[], SendFuture], what: str, outag
     deadline, attempt = time.monotonic() + outage_s, 0
     while True:
         try:
-            return future.get(timeout=ACK_WAIT_S)
+            result = future.get(timeout=ACK_WAIT_S)
         except KafkaError as exc:
             if not exc.retriable or time.monotonic() > deadline:
                 raise
             if future.is_done:  # the client gave up on this one: ours to send again
                 attempt += 1
                 delay = retry_delay(attempt, 1.0)
-                log.warning("%s: send failed (%s: %s); sending again in %.0fs", what, type(exc).__name__, exc, delay)
+                BROKER.failed(f"{what}: send (again in {delay:.0f}s)", exc)
                 time.sleep(delay)
                 future = resend()
             else:
-                log.warning("%s: no ack after %.0fs (%s); still waiting", what, ACK_WAIT_S, type(exc).__name__)
+                BROKER.failed(f"{what}: no ack after {ACK_WAIT_S:.0f}s, still waiting", exc)
+        else:
+            BROKER.succeeded(what)
+            return result
 
 
 def send_acked(producer: KafkaProducer, topic: str, value: bytes, key: bytes | None, what: str) -> Any:
@@ -244,18 +174,35 @@ def poll(consumer: KafkaConsumer, timeout_ms: int,
 
     kafka-python 3.0.12 lets a failed metadata refresh escape ``poll`` as ``KafkaConnectionError`` while the
     broker is down (seen in the chaos run: a verifier died of it); the client reconnects and rejoins its group
-    by itself on a later poll, so retriable errors wait a little and return nothing. Others still raise."""
-    global _last_poll_warning
+    by itself on a later poll, so retriable errors wait a little and return nothing (reported to :data:`BROKER`).
+    Others still raise."""
     try:
-        return consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        polled = consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
     except KafkaError as exc:
         if not exc.retriable:
             raise
-        if time.monotonic() - _last_poll_warning > 10.0:
-            _last_poll_warning = time.monotonic()
-            log.warning("poll: the broker does not answer (%s: %s); retrying", type(exc).__name__, exc)
+        BROKER.failed("poll", exc)
         time.sleep(max(0.1, min(1.0, timeout_ms / 1000)))
         return {}
+    _watch_connection(consumer)
+    return polled
+
+
+_seen_connected: weakref.WeakSet[KafkaConsumer] = weakref.WeakSet()
+
+
+def _watch_connection(consumer: KafkaConsumer) -> None:
+    """Report the broker's coming and going as a consumer's connections show it: a poll through an outage
+    raises nothing (the client reconnects by itself), so a role that only polls would never say that the broker
+    is gone. A consumer counts once it was seen connected (right after its bootstrap it holds no connection)."""
+    conns = getattr(getattr(getattr(consumer, "_client", None), "_manager", None), "_conns", None)
+    if not isinstance(conns, dict):  # not kafka-python 3.0's connection manager: nothing to watch
+        return
+    if any(getattr(conn, "connected", False) for conn in list(conns.values())):
+        _seen_connected.add(consumer)
+        BROKER.succeeded("poll")
+    elif consumer in _seen_connected:
+        BROKER.failed("poll", KafkaConnectionError("no connection to any broker"))
 
 
 def _refresh_metadata(consumer: KafkaConsumer, topics: list[str]) -> None:
@@ -274,7 +221,13 @@ def require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
 
 
 def make_admin(cfg: KafkaConfig, role: str = "admin") -> KafkaAdminClient:
-    return _connect(lambda: KafkaAdminClient(**client_settings(cfg, role)), cfg, role, "admin")
+    return connect(lambda wait_s: KafkaAdminClient(**client_settings(cfg, role) | _bootstrap_wait(wait_s)), cfg, role,
+                   "admin")
+
+
+def _bootstrap_wait(wait_s: float) -> dict[str, int]:
+    """How long a new client's own bootstrap loop may wait: what is left of kafka.connect_timeout_s."""
+    return {"bootstrap_timeout_ms": int(wait_s * 1000)}
 
 
 # ------------------------------------------------------------------------------------------ the commit rule
@@ -296,8 +249,12 @@ def commit_processed(consumer: KafkaConsumer, next_offsets: Mapping[TopicPartiti
     try:
         consumer.commit({tp: OffsetAndMetadata(off, "", -1) for tp, off in next_offsets.items()})
     except KafkaError as exc:
-        log.warning("offset commit not taken (%s: %s); the next commit retries it", type(exc).__name__, exc)
+        if is_outage(exc):
+            BROKER.failed("offset commit (the next commit retries it)", exc)
+        else:
+            log.warning("offset commit not taken (%s: %s); the next commit retries it", type(exc).__name__, exc)
         return False
+    BROKER.succeeded("offset commit")
     return True
 
 
@@ -416,8 +373,12 @@ def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = 
     try:
         ends = consumer.end_offsets(assigned)
     except KafkaError as exc:
-        log.warning("lag unknown (%s: %s)", type(exc).__name__, exc)
+        if is_outage(exc):
+            BROKER.failed("lag", exc)
+        else:
+            log.warning("lag unknown (%s: %s)", type(exc).__name__, exc)
         return None
+    BROKER.succeeded("lag")
     if positions is None:
         return sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
     return sum(max(0, end - positions.get(tp.partition, end)) for tp, end in ends.items())

@@ -5,11 +5,13 @@ A finite feed of ``prompts`` prompts runs through the feeder, producers (HF back
 and the learner, each its own process under the run supervisor (which restarts what dies, as ``grpo-stream run``
 does). At seeded learner steps it: injects a near-limit record and a handful of malformed ones into ``prompts``,
 ``completions`` and ``groups``; scales the producers 1 -> 3 (consumer-group rebalances under load); kill -9s
-each role once, in a seeded order; stops and restarts the broker; re-sends an already-trained group; scales
-the producers back to 1. When the feed is done and every consumer group has caught up, it reconciles and prints
-the table. A run keeps its promises when nothing was trained twice, no ``groups`` offset is unaccounted for, no
-fed prompt is lost, no process crashed unless it was killed, and every process is alive at the end except those
-that finished (the feeder, the producers scaled away).
+each role once, in a seeded order; stops and restarts the broker; re-sends an already-trained group; damages the
+newest published weight version in the store; kill -9s the learner and damages its newest checkpoint (it must
+resume from the previous intact one); scales the producers back to 1. When the feed is done and every consumer
+group has caught up, it reconciles and prints the table. A run keeps its promises when nothing was trained twice,
+no ``groups`` offset is unaccounted for, no fed prompt is lost, no process crashed unless it was killed, every
+process is alive at the end except those that finished (the feeder, the producers scaled away), and the damaged
+checkpoint was set aside, not used.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class ChaosResult:
     states: dict[str, str] = field(default_factory=dict)  # child name -> running | finished | down
     drained: bool = False
     wall_s: float = 0.0
+    damaged: list[str] = field(default_factory=list)  # checkpoints damaged on purpose
+    quarantined: list[str] = field(default_factory=list)  # checkpoints the learner moved aside at the end
 
     def broken(self) -> list[str]:
         """Every promise the run broke (empty: it kept them all)."""
@@ -58,6 +62,8 @@ class ChaosResult:
                 if r > self.kills.get(n, 0)]
         out += [f"{n} is {s} at the end" for n, s in self.states.items() if s == "down"]
         out += [f"{r} was never killed" for r in KILLABLE if not any(n.startswith(r) for n in self.kills)]
+        out += [f"the damaged checkpoint {n} was not set aside" for n in self.damaged
+                if f"damaged-{n}" not in self.quarantined]
         return out + ([] if self.drained else ["the pipeline did not drain within the budget"])
 
     def table(self) -> str:
@@ -73,7 +79,8 @@ def schedule(seed: int) -> list[tuple[int, str]]:
     rng = random.Random(seed)
     kills = [f"kill {r}" for r in KILLABLE]
     rng.shuffle(kills)
-    events = ["inject", "scale 3", kills[0], kills[1], "broker restart", kills[2], "duplicate", kills[3], "scale 1"]
+    events = ["inject", "scale 3", kills[0], kills[1], "broker restart", kills[2], "duplicate", "damage weights",
+              kills[3], "damage checkpoint", "scale 1"]
     return [(rng.randint(2, 4), event) for event in events]
 
 
@@ -124,6 +131,7 @@ class Chaos:
             self.result.states = self._states()
             self.sup.stop_all()  # the learner checkpoints what it trained: the audit reads that checkpoint
             self.result.audit = audit_run(self.kafka, self.contract, self.cfg.out)
+            self.result.quarantined = sorted(p.name for p in (self.cfg.out / "checkpoints").glob("damaged-*"))
         finally:
             self.sup.stop_all()
             self.broker.down()
@@ -170,9 +178,29 @@ class Chaos:
             self.broker.down()
             time.sleep(8.0)
             self.broker.up()
+        elif event == "damage weights":
+            self._damage_newest(self.cfg.out / "weights" / self.contract.run, "v*")
+        elif event == "damage checkpoint":
+            self._kill("learner")  # first: a learner still running could checkpoint a newer step meanwhile
+            damaged = self._damage_newest(self.cfg.out / "checkpoints", "step-*", "model")
+            self.result.damaged += [damaged] if damaged else []
         elif event == "duplicate":
             first = next(m for m in read_topic(self.kafka, self.contract.topic("groups")) if _is_group(m.value))
             self._send("groups", [first.value], record_key=first.key)
+
+    def _damage_newest(self, root: Path, pattern: str, sub: str = "") -> str:
+        """Overwrite 4 KiB of the newest ``pattern`` directory's model file with NaNs (what a bad block or a
+        botched copy does); its name, or "" if there is none."""
+        found = sorted(root.glob(pattern))
+        target = found[-1] / sub / "model.safetensors" if found else None
+        if target is None or not target.is_file():
+            self.result.events.append(f"  nothing to damage under {root}")
+            return ""
+        with target.open("r+b") as f:
+            f.seek(-4096, os.SEEK_END)
+            f.write(b"\x7f\xc0\x00\x00" * 1024)  # 1024 float32 NaNs
+        self.result.events.append(f"  damaged {target.relative_to(self.cfg.out)}")
+        return found[-1].name
 
     def _inject(self) -> None:
         for key in ("prompts", "completions", "groups"):

@@ -6,10 +6,11 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
-from grpo_core.config import ConfigError
+from grpo_core.config import ConfigError, InputError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -62,8 +63,12 @@ ROLES: dict[str, tuple[str, str]] = {
 
 
 def _role(args: argparse.Namespace) -> int:
-    from grpo_stream.roles import ROLE_MODULES
+    from grpo_core.config import check_paths, load_config
+    from grpo_stream.roles import ROLE_MODULES, config_class
 
+    # The config first, then the role: its module imports torch, transformers or vLLM (seconds), and a mistyped
+    # key or a missing model directory is reported before any of that. The role's main loads it again (cheap).
+    check_paths(load_config(config_class(args.command), args.config, args.overrides, pipeline_file=args.pipeline))
     module = importlib.import_module(ROLE_MODULES[args.command][0])
     return module.main(args.config, args.overrides, args.pipeline)
 
@@ -357,18 +362,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:  # kafka-python narrates every connection at INFO
-        logging.getLogger("kafka").setLevel(logging.WARNING)
-    from grpo_core.topics import TopicConflict
-    from grpo_stream.broker import BrokerError
-
     try:
+        configure_logging(args.verbose)
         return args.fn(args)
-    except (ConfigError, BrokerError, TopicConflict) as exc:
-        print(f"grpo-stream {args.command}: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if not isinstance(exc, _input_errors()):
+            raise
+        print(f"grpo-stream {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+
+
+KAFKA_LOG_ENV = "GRPO_STREAM_KAFKA_LOG_LEVEL"
+
+
+def configure_logging(verbose: bool) -> None:
+    """INFO (DEBUG with -v) for our loggers. kafka-python's stay at CRITICAL unless $GRPO_STREAM_KAFKA_LOG_LEVEL
+    names another level: it logs every failed connection at ERROR, dozens of lines per second of a broker
+    outage, and every failure that matters reaches our code, which reports it once (grpo_core.kafka_connect)."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = os.environ.get(KAFKA_LOG_ENV, "").strip().upper() or ("DEBUG" if verbose else "CRITICAL")
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise ConfigError(f"${KAFKA_LOG_ENV}: {name!r} is not a logging level (DEBUG, INFO, WARNING, ERROR, "
+                          f"CRITICAL)")
+    logging.getLogger("kafka").setLevel(level)
+
+
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are the user's to fix (one line, exit 2). Looked up among the modules already imported:
+    importing one to check would cost a role its fast start, and an error cannot come from a module not loaded."""
+    found: list[type[BaseException]] = [InputError]
+    for module, name in (("grpo_core.topics", "TopicConflict"), ("grpo_stream.broker", "BrokerError")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from typing import Any, Literal
 
 DASHBOARDS_DIR = Path("ops/grafana/dashboards")
 RATE = "5m"  # the rate window of throughput panels
+# Every grpo-stream scrape job (ops/prometheus/*.yml: grpo-stream-<role>, grpo-stream-run for the supervisor).
+JOBS = 'job=~"grpo-stream-.+"'
+K8S = 'namespace="grpo-stream"'  # kube-state-metrics' series of the deployment (ops/k8s)
 
 
 class Names:
@@ -121,6 +124,9 @@ def pipeline(L: Names, P: Names, F: Names, V: Names) -> Dashboard:
             (_quantile(0.95, P.batch_seconds, "10m"), "batch p95 (s)"),
             (f"sum(increase({P.generation_errors}[10m]))", "generation errors (10m)"),
             (f"sum(increase({P.weight_errors}[10m]))", "weight fetch errors (10m)")]),
+        Panel("Rewards without a verdict: failed (errors) / 0 by rule, per second by kind", [
+            (f"sum by (reason) ({_rate(V.reward_errors)})", "failed: {{reason}}"),
+            (f"sum by (reason) ({_rate(V.reward_zero)})", "0 by rule: {{reason}}")]),
     ])
 
 
@@ -141,15 +147,47 @@ def kafka(L: Names, P: Names, F: Names, V: Names) -> Dashboard:
     ])
 
 
+def health(R: Names, L: Names, P: Names) -> Dashboard:
+    """Is every process there, and did any restart: ``up``, ``process_*`` (every role's registry carries them),
+    the run supervisor's children (grpo_stream.run_metrics) and, on Kubernetes, kube-state-metrics."""
+    from grpo_stream.run_metrics import CHILD_UP, LAST_RESTART_REASON
+
+    return Dashboard("grpo-health", "grpo-stream / health", ["grpo-stream", "health"], [
+        Panel("Targets up (1) or unreachable (0)", [(f"up{{{JOBS}}}", "{{role}} {{instance}}")]),
+        Panel("Process restarts in the last hour (its start time changed)", [
+            (f"changes(process_start_time_seconds{{{JOBS}}}[1h])", "{{role}} {{instance}}")]),
+        Panel("Error exits in the last hour: grpo-stream run / Kubernetes", [
+            (f"sum by (role) (increase({R.restarts}[1h]))", "run: {{role}}"),
+            (f"sum by (container) (increase(kube_pod_container_status_restarts_total{{{K8S}}}[1h]))",
+             "k8s: {{container}}")]),
+        Panel("Children running (grpo-stream run)", [(CHILD_UP, "{{role}}-{{index}}")]),
+        Panel("Last restart reason (1 = the reason of the last error exit)", [
+            (LAST_RESTART_REASON, "{{role}}-{{index}}: {{reason}}"),
+            (f"kube_pod_container_status_last_terminated_reason{{{K8S}}}", "{{pod}}: {{reason}}")]),
+        Panel("CPU per process (cores)", [(f"rate(process_cpu_seconds_total{{{JOBS}}}[{RATE}])",
+                                           "{{role}} {{instance}}")]),
+        Panel("Resident memory per process", [(f"process_resident_memory_bytes{{{JOBS}}}", "{{role}} {{instance}}")],
+              "bytes"),
+        Panel("Open file descriptors (share of the limit)", [
+            (f"process_open_fds{{{JOBS}}} / process_max_fds{{{JOBS}}}", "{{role}} {{instance}}")], "percentunit"),
+        Panel("Damaged state passed over (1h): learner checkpoints, producer weight versions", [
+            (f"sum(increase({L.checkpoints_rejected}[1h]))", "checkpoints rejected at start-up"),
+            (f"sum by (instance) (increase({P.versions_skipped}[1h]))", "versions skipped: {{instance}}")]),
+    ])
+
+
 def dashboards() -> dict[str, Dashboard]:
     """file stem -> dashboard, with every name from a fresh metrics object of each role."""
     from grpo_learner.metrics import LearnerMetrics
-    from grpo_producers.feeder import FeederMetrics
+    from grpo_producers.feeder_metrics import FeederMetrics
     from grpo_producers.metrics import ProducerMetrics
+    from grpo_stream.run_metrics import RunMetrics
     from grpo_verifiers.metrics import VerifierMetrics
 
     L, P, F, V = (Names(m()) for m in (LearnerMetrics, ProducerMetrics, FeederMetrics, VerifierMetrics))
-    return {"training": training(L), "pipeline": pipeline(L, P, F, V), "kafka": kafka(L, P, F, V)}
+    R = Names(RunMetrics("127.0.0.1", -1))
+    return {"training": training(L), "pipeline": pipeline(L, P, F, V), "kafka": kafka(L, P, F, V),
+            "health": health(R, L, P)}
 
 
 def render(d: Dashboard) -> str:

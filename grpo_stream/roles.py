@@ -10,8 +10,8 @@ ROLE_MODULES: dict[str, tuple[str, str]] = {
     "learner": ("grpo_learner.service", "grpo_learner.config:LearnerConfig"),
     "producer": ("grpo_producers.service", "grpo_producers.config:ProducerConfig"),
     "verifier": ("grpo_verifiers.service", "grpo_verifiers.config:VerifierConfig"),
-    "feed": ("grpo_producers.feeder", "grpo_producers.feeder:FeederConfig"),
-    "feeder": ("grpo_producers.feeder", "grpo_producers.feeder:FeederConfig"),
+    "feed": ("grpo_producers.feeder", "grpo_producers.feeder_config:FeederConfig"),
+    "feeder": ("grpo_producers.feeder", "grpo_producers.feeder_config:FeederConfig"),
     "pipeline": ("", "grpo_core.contract:PipelineContract"),
     "topics": ("", "grpo_core.topics:TopicsFileConfig"),
 }

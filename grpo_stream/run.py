@@ -5,8 +5,9 @@ its ``run`` is the run's ``name``) and one section per role (``feeder``,
 ``producers``, ``verifiers``, ``learner``) in that role's own config format; each role is started exactly as k8s
 would start it: ``grpo-stream <role> --config runs/<name>/configs/<role>.yaml``. The supervisor writes their
 logs to ``runs/<name>/logs/`` and echoes only their warnings and errors (with a prefix), restarts a crashed
-child with backoff, shows learner progress (a bar, or a status line without a terminal), stops everything on Ctrl-C /
-SIGTERM / the time budget / the learner's ``max_steps``, and exits non-zero when the learner failed.
+child with backoff (naming its last error line), shows learner progress (a bar, or a status line without a
+terminal), stops everything on Ctrl-C / SIGTERM / the time budget / the learner's ``max_steps``, and exits
+non-zero when the learner failed. Every section and model path is checked before anything starts.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from typing import IO, Any
 
 import yaml
 
-from grpo_core.config import ConfigError, KafkaConfig, build, opt, require, to_dict, validate_tree
-from grpo_core.contract import PipelineContract
+from grpo_core.config import ConfigError, KafkaConfig, build, check_paths, opt, require, to_dict, validate_tree
+from grpo_core.contract import PipelineContract, check_run_name
+from grpo_stream.exit_reason import LastError
+from grpo_stream.run_metrics import RunMetrics
 from grpo_stream.threads import child_env
 
 log = logging.getLogger("run")
@@ -57,7 +60,17 @@ class RunConfig:
     learner: dict[str, Any] = opt(factory=dict, help="Learner config keys (config explain learner).")
     max_minutes: float = opt(0.0, "Stop the run after this long (0: when the learner reaches max_steps).")
     restart_backoff_s: float = opt(2.0, "First restart delay of a crashed child (doubles per crash).")
-    max_restarts: int = opt(5, "Give up on a role after this many crashes (then the run fails).")
+    max_restarts: int = opt(
+        5, "Give up on a role after this many crashes in a row (then the run fails); a child that ran "
+           "restart_reset_s without crashing starts counting again.")
+    restart_reset_s: float = opt(
+        600.0, "A child that ran this long before it crashed is restarted after restart_backoff_s again, its count "
+               "towards max_restarts back to 1 (Kubernetes resets its crash-loop back-off after 10 min the same "
+               "way); 0: crashes count for the whole run.")
+    metrics_host: str = opt("127.0.0.1", "Bind address of the supervisor's /metrics (restarts, children up; "
+                                         "/targets: the children's endpoints for Prometheus http_sd_configs).")
+    metrics_port: int = opt(9404, "Port of the supervisor's /metrics (ops/prometheus/prometheus-run.yml scrapes "
+                                  "9404); 0 picks a free one (logged), -1 disables it.")
     learner_ranks: int = opt(
         1, "Learner ranks on this machine: > 1 starts the learner under torchrun --standalone --nproc-per-node N "
            "(learner.parallel.strategy ddp or fsdp2); torchrun restarts the whole group when a rank dies, up to "
@@ -75,6 +88,7 @@ class RunConfig:
         "cores spin-wait against the other processes (grpo_stream/threads.py).")
 
     def validate(self) -> None:
+        check_run_name(self.name, "name")
         require(bool(self.learner), "learner: a run needs a learner section")
         have = set(range(os.cpu_count() or 1))
         for role, cpus in self.cpus.items():
@@ -92,6 +106,8 @@ class RunConfig:
                                                f"(one for every role); move these keys there")
         require(self.producers.count >= 0 and self.verifiers.count >= 0, "producers/verifiers.count: must be >= 0")
         require(self.max_restarts >= 0, "max_restarts: must be >= 0")
+        require(self.restart_reset_s >= 0, "restart_reset_s: must be >= 0 (0: never reset)")
+        require(-1 <= self.metrics_port <= 65535, "metrics_port: must be -1 (off), 0 (any) or a port number")
         strategy = (self.learner.get("parallel") or {}).get("strategy", "none")
         require(self.learner_ranks >= 1 and (self.learner_ranks == 1 or strategy in ("ddp", "fsdp2")),
                 f"learner_ranks: {self.learner_ranks} needs >= 1, and above 1 learner.parallel.strategy ddp or "
@@ -107,11 +123,12 @@ class RunConfig:
         return dataclasses.replace(self.pipeline, run=self.name)
 
 
-def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
-    """Each role's complete config (shared kafka/topics merged in), validated with the role's own schema."""
+def role_configs(cfg: RunConfig, bootstrap: str, paths: bool = False) -> dict[str, dict[str, Any]]:
+    """Each role's complete config (shared kafka/topics merged in), validated with the role's own schema;
+    ``paths``: also what each names on this machine (model directories: grpo_core.config.check_paths)."""
     from grpo_learner.config import LearnerConfig
     from grpo_producers.config import ProducerConfig
-    from grpo_producers.feeder import FeederConfig
+    from grpo_producers.feeder_config import FeederConfig
     from grpo_verifiers.config import VerifierConfig
 
     shared = {"kafka": {**to_dict(cfg.kafka), "bootstrap": bootstrap}, "pipeline": to_dict(cfg.contract)}
@@ -126,7 +143,10 @@ def role_configs(cfg: RunConfig, bootstrap: str) -> dict[str, dict[str, Any]]:
     for role, (cls, section) in sections.items():
         merged = _deep_merge(shared, section)
         try:
-            validate_tree(build(cls, merged, ""))
+            built = build(cls, merged, "")
+            validate_tree(built)
+            if paths:
+                check_paths(built)
         except ConfigError as exc:
             raise ConfigError(f"{role}: {exc}") from None
         resolved[role] = merged
@@ -163,12 +183,15 @@ class Child:
     log_file: IO[str]
     sink: Callable[[str, str], None]
     proc: subprocess.Popen[str] | None = None
-    restarts: int = 0
+    restarts: int = 0  # every restart of the run
+    crashes: int = 0  # crashes in a row, reset by a stable period (RunConfig.restart_reset_s): the back-off's count
     next_start: float = 0.0
     started_at: float = 0.0
     done: bool = False
     cpus: set[int] | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of the supervisor's (threads.child_env)
+    last_error: LastError = field(default_factory=LastError)
+    pumper: threading.Thread | None = None
 
     def start(self) -> None:
         # A session of its own: what the child starts (a vLLM engine's processes) shares its process group,
@@ -178,13 +201,16 @@ class Child:
         if self.cpus:  # before the child has started any thread or engine process of its own (imports take s)
             os.sched_setaffinity(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
-        threading.Thread(target=self._pump, args=(self.proc,), daemon=True).start()
+        self.last_error.reset()
+        self.pumper = threading.Thread(target=self._pump, args=(self.proc,), daemon=True)
+        self.pumper.start()
 
     def _pump(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             self.log_file.write(line)
             self.log_file.flush()
+            self.last_error.feed(line)
             self.sink(self.name, line)
 
     def reap(self) -> None:
@@ -193,6 +219,12 @@ class Child:
         if self.proc is not None and self.proc.poll() is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing left
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def exit_reason(self, returncode: int) -> str:
+        """The last error line of the child that exited (its output read to the end first, for at most 2 s)."""
+        if self.pumper is not None:
+            self.pumper.join(timeout=2.0)
+        return self.last_error.reason(returncode)
 
     def status(self) -> str:
         state = "done" if self.done else ("running" if self.proc and self.proc.poll() is None else "down")
@@ -204,6 +236,7 @@ class Child:
 class Supervisor:
     cfg: RunConfig
     sink: Callable[[str, str], None] = lambda name, line: sys.stdout.write(f"[{name}] {line}")
+    on_crash: Callable[[Child, int], None] = lambda child, rc: None  # run_metrics counts error exits
     children: list[Child] = field(default_factory=list)
     stopping: bool = False
     learner_failed: bool = False
@@ -267,14 +300,21 @@ class Supervisor:
             child.done = True
             return child.name == "learner"
         if child.next_start == 0.0:
+            reset = self.cfg.restart_reset_s
+            if reset and time.monotonic() - child.started_at >= reset:
+                child.crashes = 0  # it ran stably: a fresh back-off
             child.restarts += 1
-            if child.restarts > self.cfg.max_restarts:
-                log.error("%s crashed %d times; giving up", child.name, child.restarts)
+            child.crashes += 1
+            self.on_crash(child, rc)
+            reason = child.exit_reason(rc)
+            if child.crashes > self.cfg.max_restarts:
+                log.error("%s exited with %d (%s); %d crashes in a row: giving up", child.name, rc, reason,
+                          child.crashes)
                 self.learner_failed = self.learner_failed or child.name == "learner"
                 child.done = True
                 return child.name == "learner"
-            delay = self.cfg.restart_backoff_s * 2 ** (child.restarts - 1)
-            log.warning("%s exited with %d; restart %d in %.1fs", child.name, rc, child.restarts, delay)
+            delay = self.cfg.restart_backoff_s * 2 ** (child.crashes - 1)
+            log.warning("%s exited with %d (%s); restart %d in %.1fs", child.name, rc, reason, child.restarts, delay)
             child.next_start = time.monotonic() + delay
         elif time.monotonic() >= child.next_start:
             child.next_start = 0.0
@@ -394,9 +434,12 @@ def execute(cfg: RunConfig, tty: bool | None = None, on_tick: Callable[[], bool 
     from grpo_stream.broker import LocalBroker, free_port
 
     tty = sys.stdout.isatty() if tty is None else tty
+    # Every role's section and model path before anything starts (a broker, topics, a port): one line, exit 2.
+    role_configs(cfg, cfg.kafka.bootstrap or os.environ.get("KAFKA_BOOTSTRAP") or "127.0.0.1:9092", paths=True)
     cfg.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     broker = None
+    run_metrics = RunMetrics(cfg.metrics_host, cfg.metrics_port).start()  # a taken port fails before the broker
     bootstrap = cfg.kafka.bootstrap or os.environ.get("KAFKA_BOOTSTRAP")
     if not bootstrap:  # the embedded default: a broker of our own for the run, stopped at the end
         broker = LocalBroker(data_dir=cfg.out / "kafka", port=free_port(), controller_port=free_port())
@@ -406,6 +449,7 @@ def execute(cfg: RunConfig, tty: bool | None = None, on_tick: Callable[[], bool 
     # and without one (CI, nohup) thousands of step and batch lines buried the warnings; progress comes as a
     # status line every STATUS_EVERY_S instead.
     sup = Supervisor(cfg, sink=lambda name, line: _route(progress, name, line))
+    run_metrics.watch(sup)
     try:
         admin = make_admin(KafkaConfig(**{**to_dict(cfg.kafka), "bootstrap": bootstrap}))
         ensure_topics(admin, cfg.contract)
@@ -431,12 +475,14 @@ def execute(cfg: RunConfig, tty: bool | None = None, on_tick: Callable[[], bool 
         progress.close()
         if broker is not None:
             broker.down()
+        run_metrics.stop()
     summary = summarize(cfg, time.monotonic() - started, sup, {})
     return summary, 1 if sup.learner_failed else 0
 
 
 def _route(progress: Progress, name: str, line: str) -> None:
-    if " WARNING " in line or " ERROR " in line or "Traceback" in line:
+    # A traceback's header says nothing; the supervisor's line on the exit names the error (Child.exit_reason).
+    if " WARNING " in line or " ERROR " in line or " CRITICAL " in line:
         progress.write(f"[{name}] {line}")
 
 

@@ -16,37 +16,16 @@ sigma_eps; the verifier publishes the same numbers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from grpo_core.config import opt, require
 from grpo_core.stats import finite_floats, group_stats, is_zero_variance
+from grpo_learner.advantages_config import AdvantageConfig, ZeroVariance
 
-__all__ = ["AdvantageConfig", "group_advantages", "group_stats", "is_zero_variance"]
-
-ZeroVariance = Literal["mask", "drop", "keep"]
+__all__ = ["AdvantageConfig", "ZeroVariance", "group_advantages", "group_stats", "is_zero_variance"]
 
 Rewards = Sequence[float] | Tensor
-
-
-@dataclass
-class AdvantageConfig:
-    """How rewards of one group become advantages."""
-
-    normalize_std: bool = opt(
-        True, "Divide by sqrt(var + eps). false: Dr.GRPO (arXiv 2503.20783), A = r - mean only.")
-    zero_variance: ZeroVariance = opt(
-        "mask",
-        "Groups whose rewards are all equal (eq. 8). mask: zero advantages (to also drop their KL term, zero "
-        "their loss mask); drop: the caller removes such groups before batching (DAPO dynamic sampling, "
-        "arXiv 2503.14476), see is_zero_variance; keep: use the formula as is.")
-
-    def validate(self) -> None:
-        require(self.zero_variance in ("mask", "drop", "keep"),
-                f"advantages.zero_variance: {self.zero_variance!r} is not one of ['mask', 'drop', 'keep']")
 
 
 def _as_floats(rewards: Rewards) -> list[float]:

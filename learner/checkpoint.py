@@ -6,14 +6,23 @@ newest one; ``meta.json`` also names the checkpoint's position in the dedup log 
 place, and only then does ``latest`` move (also by rename): a process killed at any instant leaves either the
 previous checkpoint or the new one, never a torn mix. The offsets inside are what make training exactly-once (see
 ``grpo_learner.source.GroupSource``): they are the position right after the last group this model state contains.
+
+Integrity: every checkpoint carries a manifest of its files' sha256 (``grpo_learner.manifest``), verified before it
+is used. A damaged or incomplete one is logged with the file and the reason, moved aside (``damaged-step-*``, kept
+for inspection) and the previous intact one is used: its offsets and dedup position come with it, so exactly-once
+holds. Checkpoints exist but none is intact: :class:`CheckpointError` (starting fresh would train every group again).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +30,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo_core.config import InputError
 from grpo_core.fsutil import fsync_dir
 from grpo_core.weights import Payload
 from grpo_core.weights.common import write_all
+from grpo_learner.manifest import FORMAT, HashingWriter, verify, write_manifest
 
 LATEST = "latest"
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be written or used, with the reason and what to do: one line at the CLI, exit 2
+    (an orchestrator restarts the learner, which then resumes from its newest intact checkpoint)."""
 
 
 @dataclass
@@ -70,19 +87,56 @@ def save(root: Path, step: int, models: dict[str, dict[str, Payload]], trainer_s
     """Write checkpoint ``step`` atomically; ``models`` maps a subdirectory name to the files of a HF model
     directory (``grpo_learner.publish``'s ``safetensors_payload`` and ``metadata_payloads``: what
     ``save_pretrained`` writes, one safetensors file rather than shards -- the same file serves the vLLM in-place
-    reload and fast restore -- without its ~25 ms of per-call overhead, paid at every publish otherwise)."""
+    reload and fast restore -- without its ~25 ms of per-call overhead, paid at every publish otherwise). Every file
+    is hashed as it is written, for the manifest."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
+    check_space(root, step, sum(p.size for files in models.values() for p in files.values()), keep)
     tmp.mkdir()
-    for name, files in models.items():
-        (tmp / name).mkdir()
-        for file_name, payload in files.items():
-            with open(tmp / name / file_name, "wb", buffering=0) as f:  # fsynced by commit()
-                for block in payload.checked_blocks():  # a wrong size: no checkpoint, not one that cannot restore
-                    write_all(f, block)
-    torch.save(trainer_state, tmp / "trainer.pt")
-    return commit(root, tmp, step, meta, keep)
+    known = {}
+    try:
+        for name, files in models.items():
+            (tmp / name).mkdir()
+            for file_name, payload in files.items():
+                with open(tmp / name / file_name, "wb", buffering=0) as raw:  # fsynced by commit()
+                    f = HashingWriter(raw)
+                    for block in payload.checked_blocks():  # a wrong size: no checkpoint, not one that cannot restore
+                        write_all(f, block)  # type: ignore[arg-type]
+                known[f"{name}/{file_name}"] = f.entry()
+        with open(tmp / "trainer.pt", "wb") as raw:
+            f = HashingWriter(raw)
+            torch.save(trainer_state, f)  # type: ignore[arg-type]
+        known["trainer.pt"] = f.entry()
+        return commit(root, tmp, step, meta, keep, known)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise CheckpointError(_no_space(root, step, _size(root), keep)) from None
+        raise
+
+
+def check_space(root: Path, step: int, model_bytes: int, keep: int) -> None:
+    """Refuse to start writing a checkpoint that cannot fit: about the model files plus the previous checkpoint's
+    trainer state (optimizer moments: the bulk of it, and the same size every step)."""
+    previous = sorted(root.glob("step-*"))
+    trainer = (previous[-1] / "trainer.pt").stat().st_size if previous and (previous[-1] / "trainer.pt").exists() \
+        else 0
+    if shutil.disk_usage(root).free < model_bytes + trainer:
+        raise CheckpointError(_no_space(root, step, model_bytes + trainer, keep))
+
+
+def _no_space(root: Path, step: int, needed: int, keep: int) -> str:
+    free = shutil.disk_usage(root).free
+    return (f"checkpoint step {step}: no space left on {root} ({free / 1e9:.2f} GB free, about {needed / 1e9:.2f} GB "
+            f"needed): free space there, or move out_dir; keep_checkpoints={keep} keeps that many, plus the one "
+            f"being written")
+
+
+def _size(root: Path) -> int:
+    """Bytes of the newest checkpoint (the best guess of the next one's size)."""
+    previous = sorted(root.glob("step-*"))
+    return sum(p.stat().st_size for p in previous[-1].rglob("*") if p.is_file()) if previous else 0
 
 
 def temp_dir(root: Path, step: int) -> Path:
@@ -90,11 +144,14 @@ def temp_dir(root: Path, step: int) -> Path:
     return root / f".tmp-step-{step:08d}"
 
 
-def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) -> Path:
-    """Write ``meta.json`` into the assembled ``tmp``, make it durable, rename it into place, then move ``latest``:
-    the rename is the instant the checkpoint exists (the same for the sharded ones, ``dist_checkpoint``)."""
+def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int,
+           known: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Write ``meta.json`` and the manifest (``known``: entries hashed while writing; the other files are hashed
+    here) into the assembled ``tmp``, make it durable, rename it into place, then move ``latest``: the rename is the
+    instant the checkpoint exists (the same for the sharded ones, ``dist_checkpoint``)."""
     final = root / f"step-{step:08d}"
-    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+    (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "integrity": FORMAT}, indent=1))
+    write_manifest(tmp, known or {})
     _fsync_tree(tmp)
     if final.exists():  # a re-run of the same step after a crash: the new one wins
         shutil.rmtree(final)
@@ -104,20 +161,81 @@ def commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], keep: int) ->
     return final
 
 
-def load_latest(root: Path) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root``, or None for a fresh run."""
+def load_latest(root: Path, repair: bool = False, on_reject: Callable[[Path, str], None] | None = None
+                ) -> Checkpoint | None:
+    """The newest intact checkpoint under ``root``, or None for a fresh run (no checkpoint at all).
+
+    A damaged or incomplete one is logged with its reason and skipped (``on_reject(path, reason)``); with ``repair``
+    (the learner at start-up) it is also moved aside to ``damaged-step-*``, and the leftovers of an interrupted save
+    are removed. Raises :class:`CheckpointError` when checkpoints exist but none is intact."""
     if not root.exists():
         return None
-    candidates = []
-    latest = root / LATEST
-    if latest.exists():
-        candidates.append(root / latest.read_text().strip())
-    candidates += sorted(root.glob("step-*"), reverse=True)
-    for path in candidates:
-        meta_file = path / "meta.json"
-        if meta_file.exists() and (path / "trainer.pt").exists():
-            return Checkpoint(path, json.loads(meta_file.read_text()))
+    if repair:
+        for stale in root.glob(".tmp-step-*"):
+            log.info("removing %s: a checkpoint whose save was interrupted", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    rejected = []
+    for path in _candidates(root):
+        reason = check(path)
+        if not reason:
+            return Checkpoint(path, json.loads((path / "meta.json").read_text()))
+        rejected.append(f"{path.name}: {reason}")
+        log.warning("checkpoint %s is not used: %s", path, reason)
+        if on_reject is not None:
+            on_reject(path, reason)
+        if repair:
+            quarantine(path)
+    damaged = sorted(p.name for p in root.glob("damaged-step-*"))
+    if rejected or damaged:
+        found = "; ".join(rejected) or "damaged: " + ", ".join(damaged)
+        raise CheckpointError(f"no intact checkpoint in {root} ({found}): restore one from a backup, or remove the "
+                              "directory to train from the start again")
     return None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint directories, the one ``latest`` names first, then newest first."""
+    latest = root / LATEST
+    named = [root / latest.read_text().strip()] if latest.exists() else []
+    steps = sorted(root.glob("step-*"), reverse=True)
+    return [p for p in dict.fromkeys(named + steps) if p.is_dir()]
+
+
+def check(path: Path) -> str:
+    """Why checkpoint ``path`` must not be used ("" if it may): its manifest, or for one written before manifests
+    existed, that its files are there (such a one is used with a warning: nothing can verify it)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        return "meta.json is missing (an incomplete checkpoint)"
+    except ValueError as exc:
+        return f"meta.json is unreadable ({exc})"
+    if meta.get("integrity") == FORMAT:
+        return verify(path)
+    if meta.get("layout", "classic") == "classic" and not (path / "trainer.pt").exists():
+        return "trainer.pt is missing"
+    log.warning("checkpoint %s has no integrity manifest (written by an older version): used unverified", path)
+    return ""
+
+
+def quarantine(path: Path) -> Path:
+    """Move a damaged checkpoint out of the way (kept for inspection: delete it when done)."""
+    dest = path.with_name(f"damaged-{path.name}")
+    if dest.exists():
+        dest = path.with_name(f"damaged-{path.name}-{int(time.time())}")
+    os.replace(path, dest)
+    log.warning("moved the damaged checkpoint to %s", dest)
+    return dest
+
+
+def non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """"" when every value is finite, else which tensors hold NaN/Inf and how many (weights that must never be
+    checkpointed or published: every producer would sample from them)."""
+    bad = []
+    for name, t in tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name}: {int((~torch.isfinite(t)).sum())}")
+    return ", ".join(bad)
 
 
 def _gc(root: Path, keep: int) -> None:

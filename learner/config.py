@@ -6,19 +6,20 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
+from grpo_core.config import KafkaConfig, MetricsConfig, check_model_path, opt, require
 from grpo_core.contract import PipelineContract
 from grpo_core.trackers import Tracker, check_installed
 from grpo_core.weights.config import WeightStoreConfig
-from grpo_learner.advantages import AdvantageConfig
-from grpo_learner.loss import LossConfig
+from grpo_learner.advantages_config import AdvantageConfig
+from grpo_learner.loss_config import LossConfig
 
 
 @dataclass
 class ModelConfig:
     """The policy: any HF causal LM by hub id or local path (loaded with AutoModelForCausalLM)."""
 
-    path: str = opt(help="HF model id or local directory (config.json + *.safetensors).")
+    path: str = opt(help="HF model id (org/name) or local directory (config.json + *.safetensors); at start a "
+                         "value that is neither an existing directory nor of the hub's form is refused.")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "Training dtype (float32 on CPU).")
     device: str = opt("cpu", "cpu, cuda or cuda:N.")
     gradient_checkpointing: bool = opt(False, "Trade compute for activation memory on long sequences.")
@@ -33,13 +34,15 @@ class ModelConfig:
 class OptimConfig:
     """AdamW with linear warm-up and gradient-norm clipping."""
 
-    lr: float = opt(1e-6, "Learning rate (paper: 5e-6 GSM8K, 1e-6 DeepScaleR).")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
-    beta1: float = opt(0.9, "AdamW beta1.")
-    beta2: float = opt(0.999, "AdamW beta2.")
-    adam_eps: float = opt(1e-8, "AdamW epsilon.")
-    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (<= 0: no clipping).")
-    warmup_steps: int = opt(0, "Linear learning-rate warm-up over this many optimizer steps.")
+    lr: float = opt(1e-6, "Learning rate (paper: 5e-6 GSM8K, 1e-6 DeepScaleR; verl's actor, TRL: 1e-6).")
+    weight_decay: float = opt(0.0, "AdamW weight decay. TRL: 0.0; differs from verl's actor: 0.01.")
+    beta1: float = opt(0.9, "AdamW beta1 (verl, TRL: 0.9).")
+    beta2: float = opt(0.999, "AdamW beta2 (verl, TRL: 0.999).")
+    adam_eps: float = opt(1e-8, "AdamW epsilon (verl, TRL: 1e-8).")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (<= 0: no clipping; verl, TRL: 1.0).")
+    warmup_steps: int = opt(
+        0, "Linear learning-rate warm-up over this many optimizer steps, then a constant rate (as verl's default; "
+           "differs from TRL, whose rate decays linearly to 0 over the run).")
 
     def validate(self) -> None:
         require(self.lr > 0, f"optim.lr: must be > 0, got {self.lr}")
@@ -160,6 +163,10 @@ class LearnerConfig:
         require(par.strategy == "none" or self.model.device in ("cpu", "cuda"),
                 f"model.device={self.model.device!r}: with parallel.strategy={par.strategy} say cpu or cuda; each "
                 "rank takes cuda:LOCAL_RANK")
+
+    def check_paths(self) -> None:
+        """What must exist on this machine before the learner starts (grpo_core.config.check_paths)."""
+        check_model_path(self.model.path, "model.path")
 
     def loss_config(self) -> LossConfig:
         """The loss config with ``max_len_norm`` resolved: Dr.GRPO's constant is the longest completion."""

@@ -20,85 +20,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from grpo_core.config import opt, require
-from grpo_learner.loss_terms import AGGREGATIONS, CORRECTIONS, Aggregation, ISCorrection, k3, log_ratio
+from grpo_learner.loss_config import Aggregation, ISCorrection, LossConfig, Variant
+from grpo_learner.loss_terms import AGGREGATIONS, CORRECTIONS, k3, log_ratio
 
-Variant = Literal["grpo_offpolicy_approx", "grpo_offpolicy_exact", "gspo", "decoupled_ppo", "cispo", "sapo"]
-
-_NEEDS_PROXIMAL: frozenset[Variant] = frozenset({"grpo_offpolicy_exact", "decoupled_ppo"})
-
-
-@dataclass
-class LossConfig:
-    """Which surrogate objective, how it is clipped, regularised, corrected and aggregated."""
-
-    variant: Variant = opt(
-        "grpo_offpolicy_approx",
-        "grpo_offpolicy_approx: eq. 6 of arXiv 2505.22257 with pi_k/alpha ~ 1 (clip pi/alpha around 1); "
-        "grpo_offpolicy_exact: eq. 6 (clip pi/alpha around pi_k/alpha; needs proximal logprobs); "
-        "gspo: sequence-level ratio (arXiv 2507.18071); decoupled_ppo: AReaL (arXiv 2505.24298; needs "
-        "proximal logprobs); cispo: clipped, detached IS weight times log pi (MiniMax-M1, arXiv 2506.13585); "
-        "sapo: a sigmoid gate instead of a clip (arXiv 2511.20347; sapo_tau_pos/neg).")
-    eps_low: float = opt(
-        0.2, "Lower clip range: ratios below 1 - eps_low stop pushing A<0 tokens down. In [0, 1).")
-    eps_high: float = opt(0.2, "Upper clip range (DAPO clip-higher: eps_high > eps_low, e.g. 0.28). >= 0.")
-    dual_clip_c: float | None = opt(
-        None, "Dual-clip (arXiv 1912.09729; verl's clip_ratio_c = 3): for A<0 the term is bounded below by c*A, "
-              "so a huge ratio cannot push a bad token without limit. null: off. > 1.")
-    sapo_tau_pos: float = opt(1.0, "sapo: gate temperature for A>0 (verl's and TRL's default 1.0). > 0.")
-    sapo_tau_neg: float = opt(1.05, "sapo: gate temperature for A<0 (1.05: a slightly tighter gate). > 0.")
-    beta: float = opt(0.0, "KL(pi || pi_ref) coefficient (k3 estimator); > 0 needs reference logprobs.")
-    agg: Aggregation = opt(
-        "seq_mean_token_mean",
-        "seq_mean_token_mean: GRPO (token mean per sequence, then mean over sequences); token_mean: DAPO "
-        "(arXiv 2503.14476; mean over all tokens of the batch); seq_mean_token_sum_norm: Dr.GRPO "
-        "(arXiv 2503.20783; per-sequence sum / max_len_norm, then mean over sequences).")
-    max_len_norm: int | None = opt(
-        None, "The Dr.GRPO constant dividing each sequence's token sum. null: the pipeline contract's "
-              "max_new_tokens (the learner fills it in).")
-    is_correction: ISCorrection | None = opt(
-        None,
-        "Generator/learner mismatch correction with w = pi_k/alpha per token (needs proximal logprobs): "
-        "tis multiplies each term by min(w, is_cap); mis drops tokens with w > is_cap and weights the rest "
-        "by w. With decoupled_ppo it replaces (not multiplies) the variant's own weight w.")
-    is_cap: float = opt(2.0, "The TIS cap / MIS threshold C on w = pi_k/alpha. > 0.")
-
-    def validate(self) -> None:
-        require(self.variant in _VARIANTS, f"loss.variant: {self.variant!r} is not one of {list(_VARIANTS)}")
-        require(self.agg in AGGREGATIONS, f"loss.agg: {self.agg!r} is not one of {list(AGGREGATIONS)}")
-        require(self.is_correction is None or self.is_correction in CORRECTIONS,
-                f"loss.is_correction: {self.is_correction!r} is not one of {list(CORRECTIONS)} or null")
-        require(0.0 <= self.eps_low < 1.0,
-                f"loss.eps_low: must be in [0, 1) so that the lower clip bound 1 - eps_low stays positive, "
-                f"got {self.eps_low}")
-        require(self.eps_high >= 0.0,
-                f"loss.eps_high: must be >= 0 (0.2 is usual, 0.28 for DAPO clip-higher), got {self.eps_high}")
-        require(self.beta >= 0.0,
-                f"loss.beta: the KL coefficient must be >= 0 (0 disables the KL term), got {self.beta}")
-        require(self.is_cap > 0.0, f"loss.is_cap: must be > 0 (2.0 is usual), got {self.is_cap}")
-        require(self.dual_clip_c is None or self.dual_clip_c > 1.0,
-                f"loss.dual_clip_c: must be > 1 (3.0 is usual) or null, got {self.dual_clip_c}")
-        require(self.dual_clip_c is None or self.variant not in ("cispo", "sapo"),
-                f"loss.dual_clip_c: bounds PPO's clipped surrogate; variant={self.variant} has none (set it null)")
-        require(self.sapo_tau_pos > 0.0 and self.sapo_tau_neg > 0.0,
-                f"loss.sapo_tau_pos/neg: must be > 0, got {self.sapo_tau_pos}/{self.sapo_tau_neg}")
-        require(self.max_len_norm is None or self.max_len_norm >= 1,
-                f"loss.max_len_norm: must be >= 1 (set it to the generation's max new tokens), "
-                f"got {self.max_len_norm}")
-
-    def requires_proximal(self) -> bool:
-        """Whether ``compute_loss`` needs ``proximal_logprobs`` (the learner's pre-step logprobs)."""
-        return self.variant in _NEEDS_PROXIMAL or self.is_correction is not None
-
-    def requires_ref(self) -> bool:
-        """Whether ``compute_loss`` needs ``ref_logprobs``."""
-        return self.beta > 0.0
-
+__all__ = ["Aggregation", "ISCorrection", "LossConfig", "LossInputs", "LossOutputs", "Variant", "compute_loss",
+           "counted_tokens"]
 
 @dataclass
 class LossInputs:
@@ -118,9 +49,10 @@ class LossOutputs:
 
     ``metrics`` (over the counted tokens, i.e. after MIS rejection): clip_frac_low / clip_frac_high (the
     clipped branch binds: A<0 and ratio < lower bound / A>0 and ratio > upper bound), ratio_mean, ratio_max
-    (of the ratio the variant clips: pi/alpha, the sequence ratio for gspo, pi/pi_k for decoupled_ppo), kl
-    (aggregated k3, not times beta; 0.0 when beta == 0), tokens; decoupled_weight_mean (decoupled_ppo without
-    is_correction); is_weight_mean and is_dropped_frac (with is_correction).
+    (of the ratio the variant clips: pi/alpha, the sequence ratio for gspo, pi/pi_k for decoupled_ppo and for
+    cispo/sapo with is_correction), kl (aggregated k3, not times beta; 0.0 when beta == 0), tokens;
+    decoupled_weight_mean (decoupled_ppo without is_correction); is_weight_mean and is_dropped_frac (with
+    is_correction).
     """
 
     loss: Tensor  # -(aggregated objective) + beta * (aggregated KL); scalar
@@ -214,17 +146,26 @@ def _decoupled_ppo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     return _Surrogate(_clipped_term(ratio, low, high, p.adv), ratio, low, high, weight)
 
 
+def _policy_ratio(p: _Prepared, cfg: LossConfig) -> Tensor:
+    """cispo's and sapo's ratio: pi/alpha, or pi/pi_k when is_correction brings the weight pi_k/alpha (once)."""
+    den = p.behaviour if cfg.is_correction is None else p.proximal
+    assert den is not None  # _prepare raised otherwise
+    return torch.exp(log_ratio(p.logp, den, p.mask))
+
+
 def _cispo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     """CISPO, clipped IS-weight policy optimisation (MiniMax-M1, arXiv 2506.13585, eq. 4; in verl and TRL)::
 
-        r_t = pi / alpha;   term_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t)
+        r_t = pi / alpha  (is_correction null),  pi / pi_k  (tis|mis: compute_loss multiplies by w_t ~ pi_k/alpha)
+        term_t = sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t)
 
     The weight is clipped and detached and the gradient flows through log pi, so a clipped token still
     contributes (with the capped weight) instead of being cut off as in PPO's min(). MiniMax used no lower
     bound: eps_low close to 1 (e.g. 0.99) approximates that. The term's value is not a surrogate objective's
-    value; its gradient is the point: sg(w) * A * grad log pi.
+    value; its gradient is the point: sg(w) * A * grad log pi. With tis the weight is clip(pi/pi_k) *
+    min(pi_k/alpha, C), verl's decoupled form (sampled from alpha, trust region around pi_k).
     """
-    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
+    ratio = _policy_ratio(p, cfg)
     low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     weight = ratio.detach().clamp(low, high)
     logp = torch.where(p.mask, p.logp, torch.zeros_like(p.logp))  # padding logprobs may be garbage
@@ -234,14 +175,14 @@ def _cispo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
 def _sapo(p: _Prepared, cfg: LossConfig) -> _Surrogate:
     """SAPO, soft adaptive policy optimisation (Gao et al., arXiv 2511.20347; in verl and TRL)::
 
-        r_t = pi / alpha;   tau = tau_pos if A > 0 else tau_neg
-        term_t = (4 / tau) * sigmoid(tau * (r_t - 1)) * A
+        r_t = pi / alpha  (is_correction null),  pi / pi_k  (tis|mis: compute_loss multiplies by w_t)
+        tau = tau_pos if A > 0 else tau_neg;   term_t = (4 / tau) * sigmoid(tau * (r_t - 1)) * A
 
     A smooth gate instead of a hard clip: the gradient weight 4 s (1 - s) r_t (s = the sigmoid) is exactly 1 on
     policy (r = 1) and decays smoothly as r leaves 1, instead of dropping to 0 at the clip bound. Nothing is
     clipped, so the clip fractions report the tokens outside [1 - eps_low, 1 + eps_high] for comparison.
     """
-    ratio = torch.exp(log_ratio(p.logp, p.behaviour, p.mask))
+    ratio = _policy_ratio(p, cfg)
     tau = torch.full_like(p.adv, cfg.sapo_tau_neg).masked_fill(p.adv > 0, cfg.sapo_tau_pos)  # in ratio's dtype
     term = (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * p.adv
     return _Surrogate(term, ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high, None)
@@ -277,7 +218,7 @@ def _prepare(inputs: LossInputs, cfg: LossConfig) -> _Prepared:
         raise ValueError(f"advantages: expected shape [B] = {tuple(logp.shape[:1])}, "
                          f"got {tuple(inputs.advantages.shape)}")
     if cfg.requires_proximal() and inputs.proximal_logprobs is None:
-        needs = cfg.variant in _NEEDS_PROXIMAL
+        needs = cfg.variant_needs_proximal()
         why = f"variant={cfg.variant}" if needs else f"is_correction={cfg.is_correction}"
         raise ValueError(f"loss.{why} needs proximal_logprobs (the learner's logprobs under its pre-step "
                          "weights, from a no-grad forward pass); pass them, or use "
@@ -356,8 +297,9 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
 
     ``term_t`` comes from ``cfg.variant``, ``agg`` from ``cfg.agg``; ``w_t`` is the IS correction
     (``cfg.is_correction``) or else the variant's own weight (decoupled_ppo) or else 1. The setting of
-    Yao et al. (ratio against the learner's pi_k, truncated weight pi_k/alpha) is decoupled_ppo + tis; on
-    the variants whose ratio is already pi/alpha (approx, exact, gspo) the weight is an extra factor on top.
+    Yao et al. (ratio against the learner's pi_k, truncated weight pi_k/alpha) is decoupled_ppo + tis;
+    cispo and sapo then also take their ratio against pi_k (verl's decoupled mode); on the variants that
+    clip pi/alpha (approx, exact, gspo) the weight is an extra factor on top.
 
     For zero-variance groups (all advantages 0) the surrogate and its gradient vanish; to also drop their
     KL term as eq. 8 does, zero their rows of ``mask``. Every mean is over this call's tensors only: with

@@ -5,13 +5,12 @@ corrections for the generator/learner mismatch, and the KL estimator; pure funct
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-Aggregation = Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
-ISCorrection = Literal["tis", "mis"]
+from grpo_learner.loss_config import Aggregation, ISCorrection
+
 # Log-ratios are clamped before exp() so that a broken logprob (e.g. a -inf placeholder from the serving
 # engine) cannot become inf and then NaN via inf * 0 (zero advantage, padding). e^20 ~ 5e8 lies far outside
 # every clip range: the clamp only changes tokens whose term is already clipped, or A<0 tokens with an

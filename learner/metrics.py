@@ -7,20 +7,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from grpo_core.metrics import dead_letter_counter
+from grpo_core.metrics import DECODE, dead_letter_counter, init_series, role_registry
 from grpo_core.trackers import Trackers
 
 # Gauges that mirror a StepStats metric of the same name (loss, kl, clip fractions, ratios, rewards, ...).
 STEP_GAUGES = ("loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "entropy",
                "reward_mean", "reward_std", "zero_variance_fraction", "grad_norm", "lr", "cpu_share", "sys_share")
 PHASES = ("wait", "collate", "forward_old", "forward", "backward", "optimizer", "publish", "checkpoint")
+# The reason classes (text before the first ':') the learner's source gives a group it cannot train
+# (grpo_learner.source: _invalid sends these to the dlq, _drop_reason adds the rest); each labelled series exists
+# from the start. tests/test_monitoring.py fails when the code gives a reason that is not listed here.
+DEAD_LETTER_REASONS = (DECODE, "future_version", "wrong_group_size", "partial_group", "too_long")
+DROP_REASONS = (*DEAD_LETTER_REASONS, "duplicate", "stale", "reward_failed", "zero_variance")
 
 
 class LearnerMetrics:
     def __init__(self, jsonl_path: Path | None = None, trackers: Trackers | None = None) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.registry = role_registry()
         p = "grpo_stream_learner_"
         self.steps = Counter(p + "steps_total", "Learner steps completed", registry=r)
         self.version = Gauge(p + "policy_version", "Latest published policy version", registry=r)
@@ -32,17 +37,21 @@ class LearnerMetrics:
                               "tokens (> 0 after an in-flight weight swap)", buckets=(0, 1, 2, 4, 8, 16),
                               registry=r)
         self.trained = Counter(p + "groups_trained_total", "Groups trained", registry=r)
-        self.dropped = Counter(p + "groups_dropped_total", "Groups not trained, by reason", ["reason"], registry=r)
+        self.dropped = init_series(Counter(p + "groups_dropped_total", "Groups not trained, by reason", ["reason"],
+                                           registry=r), DROP_REASONS)
         self.tokens = Counter(p + "tokens_total", "Completion tokens trained", registry=r)
         self.tokens_per_s = Gauge(p + "tokens_per_second", "Completion tokens per second of step time", registry=r)
-        self.phase = Histogram(p + "step_phase_seconds", "Step time by phase", ["phase"], registry=r,
-                               buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.phase = init_series(Histogram(p + "step_phase_seconds", "Step time by phase", ["phase"], registry=r,
+                                           buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)),
+                                 PHASES)
         self.skipped = Counter(p + "skipped_updates_total", "Updates skipped: non-finite loss/grad", registry=r)
+        self.checkpoints_rejected = Counter(p + "checkpoints_rejected_total", "Checkpoints found damaged or "
+                                            "incomplete at start-up and skipped for an older one", registry=r)
         self.lag = Gauge(p + "consumer_lag_groups", "Groups in the topic not yet consumed", registry=r)
         self.published = Counter(p + "weights_published_total", "Weight versions published", registry=r)
         self.published_bytes = Counter(p + "weights_published_bytes_total", "Bytes of weights published",
                                        registry=r)
-        self.dead = dead_letter_counter(r, "learner")
+        self.dead = dead_letter_counter(r, "learner", DEAD_LETTER_REASONS)
         self._jsonl = jsonl_path.open("a", encoding="utf-8") if jsonl_path else None
         self.trackers = trackers
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from grpo_learner.config import LearnerConfig
 from grpo_learner.lineage import Lineage
 from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.parallel import Env
-from grpo_learner.publish import metadata_payloads, safetensors_payload, tensors_payload
+from grpo_learner.publish import metadata_payloads, tensors_payload, unique_tensors
 from grpo_learner.ranks import Command, Leader, follow
 from grpo_learner.seen_log import SeenLog
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
@@ -69,12 +70,8 @@ class Learner:
         self.out = Path(cfg.out_dir or f"runs/{cfg.pipeline.run}")
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.ckpt = checkpoint.load_latest(self.out / "checkpoints")
-        check_layout(self.ckpt, env)
-        if env is None:
-            model = load_model(cfg.model, self.ckpt.model_dir if self.ckpt else None)
-        else:  # the sharded checkpoint is loaded into the wrapped model by restore()
-            model = load_model(cfg.model, device=env.device)
+        self.rejected: list[str] = []  # checkpoints found damaged at start-up (counted once metrics exist)
+        self.ckpt, model = self._newest_good_state()
         self.trainer = Trainer(cfg, model, env)
         self.model_files = metadata_payloads(model)  # config.json & co., rendered once for every save/publish
         self.leader = Leader(env, cfg.parallel.timeout_s) if env is not None else None
@@ -82,6 +79,7 @@ class Learner:
         trackers = Trackers(cfg.report_to, self.out, cfg.pipeline.run, "learner", to_dict(cfg)) if cfg.report_to \
             else None
         self.metrics = LearnerMetrics(self.out / "metrics.jsonl", trackers)
+        self.metrics.checkpoints_rejected.inc(len(self.rejected))
         self.sender = make_producer(cfg.kafka, "learner")
         self.dead = DeadLetters(self.sender, cfg.pipeline.topic("dlq"), "learner",
                                 on_dead=lambda reason: self.metrics.dead.labels(reason=reason).inc(),
@@ -104,6 +102,24 @@ class Learner:
         self.last_group_at = time.monotonic()
 
     # ---- start-up ----------------------------------------------------------------------------------
+    def _newest_good_state(self) -> tuple[checkpoint.Checkpoint | None, torch.nn.Module]:
+        """The newest checkpoint that passes its integrity check and holds finite weights, and the model loaded
+        from it (or from ``model.path`` for a fresh run); each one rejected on the way is moved aside."""
+        cfg, env, root = self.cfg, self.env, self.out / "checkpoints"
+        while True:
+            ckpt = checkpoint.load_latest(root, repair=True, on_reject=lambda path, why: self.rejected.append(why))
+            check_layout(ckpt, env)
+            if env is not None:  # the sharded checkpoint is loaded into the wrapped model by restore()
+                return ckpt, load_model(cfg.model, device=env.device)
+            model = load_model(cfg.model, ckpt.model_dir if ckpt else None)
+            bad = checkpoint.non_finite(model.state_dict().items()) if ckpt is not None else ""
+            if not bad:
+                return ckpt, model
+            assert ckpt is not None
+            self.rejected.append(f"non-finite weights ({bad})")
+            log.warning("checkpoint %s is not used: its weights hold non-finite values (%s)", ckpt.path, bad)
+            checkpoint.quarantine(ckpt.path)
+
     def restore(self) -> None:
         """Resume from the newest checkpoint (model, optimizer, RNG, offsets, dedup set) or start fresh."""
         offsets = None
@@ -253,8 +269,10 @@ class Learner:
                 "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time(), "seen_log": seen}
         root, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
         if self.env is None:
+            tensors = unique_tensors(self.trainer.model)
+            self._refuse_non_finite(tensors.items(), "checkpoint")
             state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state()}
-            files = {MODEL_FILE: safetensors_payload(self.trainer.model), **self.model_files}
+            files = {MODEL_FILE: tensors_payload(tensors), **self.model_files}
             path = checkpoint.save(root, self.step, {"model": files}, state, meta, keep=keep)
         else:
             self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
@@ -270,16 +288,27 @@ class Learner:
         t0 = time.perf_counter()
         # Serialised straight into the store, hashed as it is written: no temporary file to copy (publish.py).
         if self.env is None:
-            weights = safetensors_payload(self.trainer.model)
+            tensors = unique_tensors(self.trainer.model)
         else:  # the other ranks join the gather (FSDP2) and wait for the next command
             self._tell(Command.PUBLISH)
-            weights = tensors_payload(self.trainer.full_weights())
+            tensors = self.trainer.full_weights()
+        self._refuse_non_finite(tensors.items(), "publish")
+        weights = tensors_payload(tensors)
         ann = self.publisher.publish(self.step, {MODEL_FILE: weights, "config.json": self.model_files["config.json"]})
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)
         log.info("published weights v%d (%d bytes, sha256 %s)", self.step, ann.size_bytes, ann.sha256[:12])
         return time.perf_counter() - t0
+
+    def _refuse_non_finite(self, tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+        """Weights with NaN/Inf are never checkpointed or published (updates that would make them are skipped, so
+        they came from elsewhere): exit, and the restart resumes from the newest good checkpoint."""
+        bad = checkpoint.non_finite(tensors)
+        if bad:
+            raise checkpoint.CheckpointError(
+                f"step {self.step}: the weights hold non-finite values ({bad}); refusing to {what} them. The learner "
+                "exits: restarted, it resumes from its newest intact checkpoint")
 
     def close(self) -> None:
         self.source.consumer.close()

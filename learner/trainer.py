@@ -212,7 +212,8 @@ class Trainer:
         sums = parallel.sum_over_ranks({**sums, "non_finite": float(not finite)}, self.env)
         finite = not sums.pop("non_finite")
         t0 = time.perf_counter()
-        grad_norm = self._clip()
+        # Not backpropagated, a non-finite loss leaves no gradient: its norm is unknown, not 0.
+        grad_norm = self._clip() if finite or self.env is not None else float("nan")
         if not (finite and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)  # never apply a non-finite update
             stats.skipped_updates += 1

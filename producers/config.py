@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_core.config import KafkaConfig, MetricsConfig, opt, require
+from grpo_core.config import KafkaConfig, MetricsConfig, check_model_path, opt, require
 from grpo_core.contract import PipelineContract, check_staleness_bound
 from grpo_core.weights.config import WeightStoreConfig
 from grpo_producers.backends.base import BackendConfig, KvOnSwap, SamplingConfig
@@ -69,6 +69,10 @@ class ProducerConfig:
         60.0, "At start-up, read the weights topic to its end within this long (then exit with the reason), so the "
               "newest announced version is known, and loaded, before the first batch.")
     follow_weights: bool = opt(True, "Hot-swap to newer announced weights (when: weights.swap).")
+    unhealthy_behind_s: float = opt(
+        120.0, "/health turns 503 while the weights in use stay more than max_version_lag behind the newest "
+               "announced version for this long (a fetch that keeps failing, a wedged consumer); keep it above a "
+               "version's fetch + load time. 0: off.")
     apply_chat_template: bool = opt(False, "Wrap prompt text with the tokenizer's chat template when it has one.")
     max_poll_interval_ms: int = opt(600_000, "Consumer max.poll.interval: longer than one generation batch.")
     session_timeout_ms: int = opt(
@@ -89,6 +93,7 @@ class ProducerConfig:
                 f"sampling.max_tokens: {self.sampling.max_tokens} exceeds pipeline.max_new_tokens={limit}")
         require(self.backpressure_poll_s > 0, "backpressure_poll_s: must be > 0")
         require(self.weights_catchup_s > 0, "weights_catchup_s: must be > 0")
+        require(self.unhealthy_behind_s >= 0, "unhealthy_behind_s: must be >= 0 (0: off)")
         require(self.max_failed_batches >= 1, "max_failed_batches: must be >= 1")
         require(self.max_inflight_groups >= 0, "max_inflight_groups: must be >= 0 (0: the engine's capacity)")
         require(self.max_groups >= 0, "max_groups: must be >= 0 (0: no limit)")
@@ -101,6 +106,12 @@ class ProducerConfig:
                 f"sampling.top_p={s.top_p} / top_k={s.top_k} with pipeline.logprobs=sampling: the engine's "
                 "logprobs would be of the renormalised nucleus, which the learner cannot recompute; set top_p: 1 "
                 "and top_k: 0, or pipeline.logprobs: raw")
+
+    def check_paths(self) -> None:
+        """What must exist on this machine before the producer starts (grpo_core.config.check_paths)."""
+        check_model_path(self.backend.model, "backend.model")
+        if self.backend.tokenizer:
+            check_model_path(self.backend.tokenizer, "backend.tokenizer", need=None)
 
     @property
     def swap_mode(self) -> Literal["inflight", "between_batches"]:

@@ -126,7 +126,7 @@ class ContinuousLoop:
         target = p.weights.newest
         if target is not None and target.version != p.weights.version:
             kv = self.cfg.weights.inflight_kv
-            swap = p.try_swap(lambda model_dir: self.engine.swap(model_dir, target.version, kv))
+            swap = p.try_swap(lambda model_dir, version: self.engine.swap(model_dir, version, kv))
             if swap is not None:  # in use from the engine's next step on
                 p.metrics.swap_latency.observe(max(0.0, time.time() - swap.announced_at))
         p.metrics.newest_version.set(p.weights.newest_version)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from grpo_core.metrics import dead_letter_counter
+from grpo_core.metrics import DECODE, dead_letter_counter, init_series, role_registry
+
+# The reason classes the producer gives (text before the first ':'): a prompt it sends to the dlq
+# (grpo_producers.service, .continuous), and a pause (grpo_producers.backpressure.pause_reason). Each labelled
+# series exists from the start; tests/test_monitoring.py fails when the code gives a reason not listed here.
+DEAD_LETTER_REASONS = (DECODE, "empty_prompt", "prompt_too_long", "generation_error")
+PAUSE_REASONS = ("backlog", "version_lag")
 
 
 class ProducerMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        r = self.registry = role_registry()
         p = "grpo_stream_producer_"
         self.tokens = Counter(p + "tokens_total", "Completion tokens generated", registry=r)
         self.completions = Counter(p + "completions_total", "Completions published", registry=r)
@@ -23,10 +29,13 @@ class ProducerMetrics:
                                       buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=r)
         self.swap_load = Histogram(p + "weight_load_seconds", "Fetch + verify + load of new weights",
                                    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
-        self.paused = Counter(p + "paused_seconds_total", "Seconds paused by backpressure", ["reason"], registry=r)
+        self.paused = init_series(Counter(p + "paused_seconds_total", "Seconds paused by backpressure", ["reason"],
+                                          registry=r), PAUSE_REASONS)
         self.backlog = Gauge(p + "backlog_groups", "Backlog seen at the last check (groups)", registry=r)
         self.generation_errors = Counter(p + "generation_errors_total", "Failed generation batches", registry=r)
         self.weight_errors = Counter(p + "weight_fetch_errors_total", "Failed weight fetches", registry=r)
+        self.versions_skipped = Counter(p + "weight_versions_skipped_total", "Announced weight versions passed over "
+                                        "for a newer one after their fetch failed", registry=r)
         self.batch_seconds = Histogram(p + "batch_seconds", "Generation time per batch", registry=r,
                                        buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
         self.inflight = Gauge(p + "inflight_groups", "Groups in the engine (weights.swap=inflight)", registry=r)
@@ -38,4 +47,4 @@ class ProducerMetrics:
         self.aborted_stale = Counter(p + "aborted_stale_total", "Groups aborted in the engine and generated again "
                                      "because their oldest version fell more than pipeline.max_staleness behind "
                                      "the newest announced one (the learner would drop them)", registry=r)
-        self.dead = dead_letter_counter(r, "producer")
+        self.dead = dead_letter_counter(r, "producer", DEAD_LETTER_REASONS)

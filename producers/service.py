@@ -46,7 +46,7 @@ from grpo_core.metrics import Liveness
 from grpo_core.process import reuse_freed_memory, serve
 from grpo_core.retry import retry
 from grpo_core.weights import WeightFetcher, WeightFetchError
-from grpo_core.weights.subscriber import Swap, WeightSubscriber
+from grpo_core.weights.subscriber import LagWatch, Swap, WeightSubscriber
 from grpo_producers.backends import make_backend
 from grpo_producers.backends.base import Sample, StreamingBackend
 from grpo_producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
@@ -103,7 +103,8 @@ class Producer:
         fetcher = WeightFetcher(cfg.weights, cfg.kafka, cfg.pipeline.topic("weight_data"), stream_run=stream_run)
         self.weights = WeightSubscriber(make_consumer(cfg.kafka, "producer-weights", None),
                                         cfg.pipeline.topic("weights"), cfg.pipeline.run, fetcher, cfg.initial_version,
-                                        contract=cfg.pipeline.digest())
+                                        contract=cfg.pipeline.digest(),
+                                        lag=LagWatch(cfg.version_lag, cfg.unhealthy_behind_s))
         self.weights.catch_up(cfg.weights_catchup_s)  # the first batch then waits for (and swaps to) the newest
         self.metrics.version.set(cfg.initial_version)
         self.stopping = False
@@ -175,15 +176,19 @@ class Producer:
         self.metrics.backlog.set(backlog)
         return backlog
 
-    def try_swap(self, load: Callable[[Path], None] | None = None) -> Swap | None:
-        """Fetch and ``load`` (default: the backend's between-batch load) newer announced weights, if any."""
+    def try_swap(self, load: Callable[[Path, int], None] | None = None) -> Swap | None:
+        """Fetch and ``load(model_dir, version)`` (default: the backend's between-batch load) the newest announced
+        weights, if newer than ours."""
         if not self.cfg.follow_weights:
             return None
+        skipped = self.weights.skipped
         try:
-            swap = self.weights.maybe_swap(load or self.backend.load_weights)
+            swap = self.weights.maybe_swap(load or (lambda model_dir, _version: self.backend.load_weights(model_dir)))
         except WeightFetchError:
             self.metrics.weight_errors.inc()
             return None
+        finally:
+            self.metrics.versions_skipped.inc(self.weights.skipped - skipped)
         if swap is not None:
             self.metrics.version.set(swap.version)
             self.metrics.swap_load.observe(swap.load_s)
@@ -329,9 +334,10 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
 
     def health() -> tuple[bool, dict[str, object]]:
         refused, (live, detail) = producer.weights.refused, producer.liveness.check()
-        ok = not producer.stopping and not refused and live and not producer.failed_batches
-        return ok, {"version": producer.weights.version, "refused": refused,
-                    "failed_batches": producer.failed_batches, **detail}
+        current, lag = producer.weights.lag.check()
+        ok = not producer.stopping and not refused and live and current and not producer.failed_batches
+        return ok, {"version": producer.weights.version, "newest": producer.weights.newest_version,
+                    "refused": refused, "failed_batches": producer.failed_batches, **lag, **detail}
 
     return serve(producer.metrics.registry, cfg.metrics, health, run, producer.stop,
                  producer.close, "finishing the groups in flight" if cfg.swap_mode == "inflight"

@@ -109,7 +109,10 @@ def test_port_taken(tmp_path: Path) -> None:
 
 
 def test_foreign_cluster_id(tmp_path: Path) -> None:
-    b = LocalBroker(data_dir=tmp_path / "kafka", port=free_port())
+    # Both ports picked free: the default controller port (port + 1) may be a client's source port meanwhile.
+    port = free_port()
+    b = LocalBroker(data_dir=tmp_path / "kafka", port=port,
+                    controller_port=next(c for c in iter(free_port, None) if c != port))
     cluster_id = b.prepare()  # formats the storage with the real StorageTool
     meta = (b.kraft_dir / "meta.properties").read_text()
     assert f"cluster.id={cluster_id}" in meta

@@ -21,7 +21,8 @@ def test_the_schedule_is_seeded_and_complete() -> None:
         advances, events = zip(*schedule(seed), strict=True)
         assert all(2 <= a <= 4 for a in advances)
         assert sorted(e for e in events if e.startswith("kill")) == sorted(f"kill {r}" for r in KILLABLE)
-        assert {"inject", "scale 3", "broker restart", "duplicate", "scale 1"} <= set(events)
+        assert {"inject", "scale 3", "broker restart", "duplicate", "damage weights", "damage checkpoint",
+                "scale 1"} <= set(events)
 
 
 def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
@@ -38,6 +39,9 @@ def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
         assert sum(n for k, n in a.dead.items() if k.startswith(f"{topic}:")) == 8, a.dead
     assert a.dropped["duplicate"] >= 1  # the already-trained group sent again
     assert set(result.kills) >= {"learner", "verifier-0", "feeder"}
+    # The learner was killed with its newest checkpoint damaged: it resumed from the previous one (set aside the
+    # damaged one) and still trained every group once (the audit above).
+    assert len(result.damaged) == 1 and result.quarantined == [f"damaged-{result.damaged[0]}"]
     assert any(k.startswith("producer") for k in result.kills)
     assert result.states["feeder"] == "finished" and result.states["learner"] == "running"
     producers = sorted(s for n, s in result.states.items() if n.startswith("producer"))

@@ -198,3 +198,61 @@ def test_truncated_sampling_is_refused_with_sampling_logprobs() -> None:
     assert (cfg.backend_config().logprobs, cfg.logprob_temperature()) == ("raw", 0.0)
     cfg = load_config(ProducerConfig, None, base)
     assert (cfg.backend_config().logprobs, cfg.logprob_temperature()) == ("sampling", 0.7)
+
+
+def test_verifier_min_group_size_above_g_is_refused_naming_both_keys() -> None:
+    """A partial group has fewer than G members, so min_group_size > G could never publish one."""
+    one_line = r"^min_group_size: 5 is above pipeline\.group_size=4, [^\n]* set it in \[1, 4\]$"
+    with pytest.raises(ConfigError, match=one_line):
+        load_config(VerifierConfig, None, ["pipeline.group_size=4", "min_group_size=5"])
+    assert load_config(VerifierConfig, None, ["pipeline.group_size=4", "min_group_size=4"]).min_group_size == 4
+    cfg = load_config(RunConfig, REPO / "configs/demo.yaml", ["verifiers.config.min_group_size=17"])
+    with pytest.raises(ConfigError, match="verifier: min_group_size: 17 is above pipeline.group_size=16"):
+        role_configs(cfg, "127.0.0.1:9092")
+
+
+def test_a_model_setting_is_a_model_directory_or_a_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked against this machine by check_paths() (the CLI before a role starts, `run` before anything starts),
+    not by load_config: a config for another machine (k8s check) still validates here."""
+    from grpo_core.config import check_model_path, check_paths
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match=f"^model.path: {model} has no config.json"):
+        check_model_path(str(model), "model.path")
+    (model / "config.json").write_text("{}")
+    check_model_path(str(model), "model.path")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_model_path(str(model / "config.json"), "model.path")
+    for missing in (str(tmp_path / "gone"), "runs/demo/model", "./model", "../model"):
+        with pytest.raises(ConfigError, match=f"^model.path: {missing}: no such directory"):
+            check_model_path(missing, "model.path")
+    check_model_path("Qwen/Qwen2.5-0.5B-Instruct", "model.path")  # a hub id: its download is the loader's
+    # With the hub off nothing can be downloaded: a hub id must be in the local cache.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match="not in the local cache"):
+        check_model_path("Qwen/Qwen2.5-0.5B-Instruct", "backend.model")
+    (tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B-Instruct").mkdir(parents=True)
+    check_model_path("Qwen/Qwen2.5-0.5B-Instruct", "backend.model")
+    # load_config does not look at the machine; check_paths does, naming the role's key.
+    learner = load_config(LearnerConfig, None, [f"model.path={tmp_path / 'gone'}"])
+    with pytest.raises(ConfigError, match="^model.path: "):
+        check_paths(learner)
+    producer = load_config(ProducerConfig, None, [f"backend.model={model}", f"backend.tokenizer={tmp_path}/x/y"])
+    with pytest.raises(ConfigError, match="^backend.tokenizer: "):
+        check_paths(producer)
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", ".x", "-x", "", "x" * 201, "a b"])
+def test_a_run_name_must_be_safe_for_topics_and_directories(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"^name: .*\[A-Za-z0-9._-\]"):
+        load_config(RunConfig, REPO / "configs/demo.yaml", [f"name={name!r}" if name else "name=''"])
+
+
+def test_kafka_connect_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="kafka.connect_timeout_s: must be > 0"):
+        load_config(KafkaConfig, None, ["connect_timeout_s=0"])
+    assert load_config(KafkaConfig, None, []).connect_timeout_s <= 60

@@ -175,7 +175,7 @@ def test_the_loop_swaps_with_the_configured_kv_rule(kv: str) -> None:
     weights = SimpleNamespace(poll=lambda: None, newest=newest, version=2, newest_version=3)
     observed: list[float] = []
     p = SimpleNamespace(
-        weights=weights, try_swap=lambda load: load(Path("/w/v3")) or SimpleNamespace(announced_at=0.0),
+        weights=weights, try_swap=lambda load: load(Path("/w/v3"), 3) or SimpleNamespace(announced_at=0.0),
         metrics=SimpleNamespace(swap_latency=SimpleNamespace(observe=observed.append),
                                 newest_version=SimpleNamespace(set=lambda v: None)))
     loop = ContinuousLoop.__new__(ContinuousLoop)

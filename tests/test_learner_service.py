@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from kafka import KafkaAdminClient, TopicPartition
+from safetensors.torch import load_file
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig, to_dict
@@ -207,20 +209,27 @@ def _in_process_learner(tmp_path: Path, kafka_cfg: KafkaConfig,
     return out, run
 
 
+def _one_partition_run(kafka_cfg: KafkaConfig, admin: KafkaAdminClient, run: str, ids: list[str],
+                       seed: int) -> PipelineContract:
+    """A run of its own, its groups topic of one partition holding a version-0 group per id, in order."""
+    plan = PipelineContract(run=run, group_size=G, max_staleness=-1)
+    plan.topics.groups.partitions = 1
+    ensure_topics(admin, plan)
+    rng = np.random.default_rng(seed)
+    producer = make_producer(kafka_cfg, "test")
+    for gid in ids:
+        g = synthetic_group(gid, version=0, rng=rng)
+        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
+    producer.close()
+    return plan
+
+
 def test_an_operator_skip_is_checkpointed_and_in_the_lineage(tmp_path: Path, kafka_cfg: KafkaConfig,
                                                               admin: KafkaAdminClient, unique: Callable,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """The checkpoint wins over the consumer group; skipping is deliberate: ``skip_to`` moves the learner past
     records, records the range as operator_skip and checkpoints, so every offset stays accounted for once."""
-    plan = PipelineContract(run=unique("skip"), group_size=G, max_staleness=-1)
-    plan.topics.groups.partitions = 1
-    ensure_topics(admin, plan)
-    rng = np.random.default_rng(3)
-    producer = make_producer(kafka_cfg, "test")
-    for i in range(6):
-        g = synthetic_group(f"s{i}@e0r0", version=0, rng=rng)
-        producer.send(plan.topic("groups"), key=g.group_id.encode(), value=wire.encode(g))
-    producer.close()
+    plan = _one_partition_run(kafka_cfg, admin, unique("skip"), [f"s{i}@e0r0" for i in range(6)], seed=3)
     out, run = _in_process_learner(tmp_path, kafka_cfg, plan)
     run("max_steps=1")  # trains offsets 0, 1
     run("max_steps=2", "skip_to={0: 4}")  # skips 2, 3; trains 4, 5
@@ -242,7 +251,6 @@ def test_the_dedup_set_survives_restarts_in_a_log_each_checkpoint_appends_to(
     """A group delivered again after a restart is dropped as a duplicate, through the dedup log beside the
     checkpoints: each checkpoint appends the ids trained since the last one (before, each pickled the whole
     window, ~1 s at 1M ids), and a checkpoint written before the log (the set in trainer.pt) still resumes."""
-    import torch
 
     plan = PipelineContract(run=unique("dedup"), group_size=G, max_staleness=-1)
     plan.topics.groups.partitions = 1
@@ -278,8 +286,9 @@ def test_the_dedup_set_survives_restarts_in_a_log_each_checkpoint_appends_to(
     state = third.trainer_state()
     torch.save({**state, "seen": [f"s{i}@e0r0" for i in range(6)]}, third.path / "trainer.pt")
     meta = json.loads((third.path / "meta.json").read_text())
-    del meta["seen_log"]
+    del meta["seen_log"], meta["integrity"]  # nor the integrity manifest, which came later still
     (third.path / "meta.json").write_text(json.dumps(meta))
+    (third.path / "manifest.json").unlink()
     log.unlink()
     send("s1@e0r0", "s6@e0r0", "s7@e0r0")
     fourth = run(4)
@@ -343,3 +352,62 @@ def test_a_tail_of_only_stale_groups_is_accounted_for_without_a_step(tmp_path: P
     finally:
         learner.close()
     assert list(read_lines(out / "lineage.jsonl")) == lines
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                                    admin: KafkaAdminClient,
+                                                                    unique: Callable) -> None:
+    """4 KiB overwritten in the newest checkpoint's model file (5 weights turned NaN by it): the learner resumes
+    from the previous checkpoint, with that checkpoint's offsets and dedup position, so every group is still
+    trained exactly once; the damaged one is moved aside and counted, and nothing non-finite is ever published."""
+    ids = [f"d{i}@e0r0" for i in range(10)]
+    plan = _one_partition_run(kafka_cfg, admin, unique("damaged"), ids, seed=9)
+    out, run_learner = _in_process_learner(tmp_path, kafka_cfg, plan)
+    run_learner("max_steps=1")  # two checkpoints: steps 1 and 2
+    run_learner("max_steps=2")
+    newest = out / "checkpoints" / "step-00000002"
+    with (newest / "model" / "model.safetensors").open("r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        f.write(np.full(1024, np.nan, dtype=np.float32).tobytes())
+
+    from grpo_core.config import load_config
+    from grpo_learner.config import LearnerConfig
+    from grpo_learner.service import Learner
+
+    cfg = load_config(LearnerConfig, None, [
+        f"kafka.bootstrap={kafka_cfg.bootstrap}", f"out_dir={out}", f"model.path={tmp_path / 'model'}",
+        "metrics.port=-1", f"weights.fs.root={tmp_path / 'weights'}", f"groups_per_batch={B}", "publish_every=1",
+        f"pipeline.run={plan.run}", f"pipeline.group_size={G}", "pipeline.max_staleness=-1",
+        "pipeline.topics.groups.partitions=1", "max_steps=5"])
+    t0 = time.monotonic()
+    learner = Learner(cfg)
+    try:
+        assert time.monotonic() - t0 < 10, "the fallback must not take longer than a normal start"
+        assert learner.ckpt is not None and learner.ckpt.step == 1
+        assert learner.metrics.checkpoints_rejected._value.get() == 1
+        assert "model/model.safetensors" in learner.rejected[0]
+        learner.restore()
+        assert learner.run() == 5
+    finally:
+        learner.close()
+    assert (out / "checkpoints" / "damaged-step-00000002").is_dir()  # kept for inspection, out of the way
+    trained = [e["group_id"] for line in read_lines(out / "lineage.jsonl") for e in line["trained"]]
+    assert trained == ids  # d2, d3 (in the damaged step 2) trained once more from step 1's state, none twice
+    published = list((tmp_path / "weights" / plan.run).glob("v*/model.safetensors"))
+    assert published
+    for path in published:
+        assert all(bool(torch.isfinite(t).all()) for t in load_file(path).values()), path
+
+
+def test_checkpoints_exist_but_none_is_intact_is_a_one_line_refusal(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                                    admin: KafkaAdminClient,
+                                                                    unique: Callable) -> None:
+    plan = _one_partition_run(kafka_cfg, admin, unique("none-left"), ["n0@e0r0", "n1@e0r0"], seed=3)
+    out, run_learner = _in_process_learner(tmp_path, kafka_cfg, plan)
+    run_learner("max_steps=1", "keep_checkpoints=1")
+    trainer_pt = out / "checkpoints" / "step-00000001" / "trainer.pt"
+    trainer_pt.write_bytes(trainer_pt.read_bytes()[: trainer_pt.stat().st_size // 2])
+    with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint.*trainer.pt has .* bytes"):
+        run_learner("max_steps=2")
+    with pytest.raises(checkpoint.CheckpointError, match="damaged-step-00000001"):  # and again at the next start
+        run_learner("max_steps=2")

@@ -322,6 +322,59 @@ def test_is_correction_replaces_decoupled_weight() -> None:
     assert uncapped.loss.item() == pytest.approx(plain.loss.item(), abs=1e-12)
 
 
+# pi / pi_k = (pi / alpha) / (pi_k / alpha) on the counted tokens of is_inputs(): [1.1, 0.65, 1.4], [0.7, 1.0833]
+R_DEC = [[r / w for r, w in zip(row, wrow, strict=True)] for row, wrow in zip(R, W, strict=True)]
+
+
+def sapo_gate(r: float, a: float) -> float:
+    t = 1.0 if a > 0 else 1.05
+    return 4 / t / (1 + math.exp(-t * (r - 1)))
+
+
+def test_cispo_with_tis_clips_the_ratio_against_pi_k() -> None:
+    """verl's decoupled mode: the weight is sg(clip(pi/pi_k)) * min(pi_k/alpha, C). Clipping pi/alpha instead and
+    then multiplying by the IS weight would count the staleness pi_k/alpha twice (row 0 token 1: clip(1.3) * 1.5
+    = 1.8 instead of clip(0.65) * 1.5 = 1.2)."""
+    cfg = LossConfig(variant="cispo", is_correction="tis", is_cap=1.5)
+    weights = [[clip(rd, 0.8, 1.2) * min(w, 1.5) for rd, w in zip(drow, wrow, strict=True)]
+               for drow, wrow in zip(R_DEC, W, strict=True)]
+    assert weights[0] == pytest.approx([1.1, 1.2, 0.6])
+    terms = [[wt * a * lp for wt, lp in zip(wrow, lrow, strict=False)]
+             for wrow, lrow, a in zip(weights, LOGP, ADV, strict=True)]
+    out = compute_loss(is_inputs(), cfg)
+    assert out.loss.item() == pytest.approx(-hand_agg(terms, "seq_mean_token_mean"), abs=1e-12)
+    assert out.metrics["ratio_mean"] == pytest.approx(sum(sum(row) for row in R_DEC) / 5)
+    _, g = grad_of(is_inputs(), cfg)  # d loss / d log pi_t = -(1/B)(1/|y|) weight_t A
+    expected = [[-wt * a / len(wrow) / 2 for wt in wrow] for wrow, a in zip(weights, ADV, strict=True)]
+    assert g[0].tolist() == pytest.approx(expected[0], abs=1e-12)
+    assert g[1, :2].tolist() == pytest.approx(expected[1], abs=1e-12) and g[1, 2].item() == 0.0
+
+
+def test_sapo_with_mis_gates_the_ratio_against_pi_k() -> None:
+    """term = gate(pi/pi_k) * A * pi_k/alpha on the tokens MIS keeps (the w = 2 token is rejected)."""
+    cfg = LossConfig(variant="sapo", is_correction="mis", is_cap=1.5, agg="token_mean")
+    kept = [[(0, 1.0), (2, 0.5)], [(0, 1.0), (1, 1.2)]]  # (token, w) of the counted tokens
+    terms = [[sapo_gate(R_DEC[b][t], ADV[b]) * ADV[b] * w for t, w in row] for b, row in enumerate(kept)]
+    out = compute_loss(is_inputs(), cfg)
+    assert out.loss.item() == pytest.approx(-hand_agg(terms, "token_mean"), abs=1e-12)
+    assert out.metrics["tokens"] == 4.0
+
+
+@pytest.mark.parametrize("variant", ["cispo", "sapo"])
+def test_is_correction_leaves_cispo_and_sapo_alone_when_pi_k_is_alpha(variant: Variant) -> None:
+    """pi_k = alpha: w = 1 and pi/pi_k = pi/alpha, so the decoupled form is the plain variant."""
+    def inputs() -> LossInputs:
+        x = make_inputs()
+        x.proximal_logprobs = x.behaviour_logprobs.clone()
+        return x
+
+    plain_loss, plain_g = grad_of(inputs(), LossConfig(variant=variant))
+    for corr in ("tis", "mis"):
+        loss, g = grad_of(inputs(), LossConfig(variant=variant, is_correction=corr))  # type: ignore[arg-type]
+        assert loss.item() == pytest.approx(plain_loss.item(), abs=1e-12)
+        torch.testing.assert_close(g, plain_g, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize("cfg", [
     LossConfig(variant="grpo_offpolicy_exact"), LossConfig(variant="decoupled_ppo"),
     LossConfig(is_correction="tis"), LossConfig(variant="gspo", is_correction="mis")])
@@ -481,3 +534,15 @@ def test_dual_clip_bounds_negative_advantage_terms() -> None:
         LossConfig(variant="cispo", dual_clip_c=3.0).validate()
     with pytest.raises(ConfigError, match="dual_clip_c"):
         LossConfig(dual_clip_c=1.0).validate()
+
+
+def test_the_config_names_and_the_loss_tables_agree() -> None:
+    """The config (torch-free, so a typo is rejected before torch loads) names what the loss tables implement."""
+    from typing import get_args
+
+    from grpo_learner import loss, loss_terms
+    from grpo_learner.loss_config import ISCorrection
+
+    assert set(loss._VARIANTS) == set(get_args(Variant))
+    assert set(loss_terms.AGGREGATIONS) == set(get_args(Aggregation))
+    assert set(loss_terms.CORRECTIONS) == set(get_args(ISCorrection))

@@ -24,7 +24,7 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_metrics_and_health_endpoints() -> None:
     registry = CollectorRegistry()
     steps = Counter("grpo_stream_test_steps_total", "steps", registry=registry)
-    dead = dead_letter_counter(registry, "test")
+    dead = dead_letter_counter(registry, "test", ["bad_thing"])
     steps.inc(3)
     dead.labels(reason="decode").inc()
     healthy = {"ok": True}
@@ -37,6 +37,7 @@ def test_metrics_and_health_endpoints() -> None:
         text = body.decode()
         assert "grpo_stream_test_steps_total 3.0" in text
         assert 'grpo_stream_test_dead_letters_total{reason="decode"} 1.0' in text
+        assert 'grpo_stream_test_dead_letters_total{reason="bad_thing"} 0.0' in text  # before its first use
         code, body = _get(base + "/health")
         assert code == 200 and json.loads(body) == {"status": "ok", "step": 3}
         healthy["ok"] = False
@@ -88,3 +89,64 @@ def test_liveness_is_progress_not_presence() -> None:
     now[0] = 560.0
     assert not live.check()[0]
     assert Liveness(stall_s=0.0, clock=lambda: now[0]).check()[0]  # 0: off
+
+
+def test_a_taken_port_is_a_config_error_naming_the_setting_and_port() -> None:
+    from grpo_core.config import ConfigError
+
+    first = MetricsServer(CollectorRegistry(), MetricsConfig(port=0)).start()
+    try:
+        taken = MetricsConfig(host="127.0.0.1", port=first.port)
+        with pytest.raises(ConfigError) as err:
+            MetricsServer(CollectorRegistry(), taken).start()
+        assert str(err.value) == (f"metrics.port {first.port} on 127.0.0.1: address already in use (another "
+                                  "process? set metrics.port to a free port, or 0 for any)")
+        with pytest.raises(ConfigError, match=f"^metrics_port {first.port} on 127.0.0.1: address already in use"):
+            MetricsServer(CollectorRegistry(), taken, setting="metrics_port").start()
+        with pytest.raises(ConfigError, match="^metrics.port 9 on 203.0.113.9: cannot listen: "):
+            MetricsServer(CollectorRegistry(), MetricsConfig(host="203.0.113.9", port=9)).start()
+    finally:
+        first.stop()
+
+
+def test_a_client_hanging_up_mid_reply_leaves_no_traceback(capfd: pytest.CaptureFixture[str]) -> None:
+    """A scraper that gives up (or a peer that stops) while the reply is being written is not an error: no
+    BrokenPipeError/ConnectionResetError traceback on stderr, and the server keeps serving."""
+    import socket
+    import struct
+    import time
+
+    big = b"x" * (32 << 20)  # far more than the socket buffers take: the write is under way when the reset comes
+    server = MetricsServer(CollectorRegistry(), MetricsConfig(port=0), routes={"/big": lambda: ("text/plain", big)})
+    server.start()
+    try:
+        for _ in range(3):
+            client = socket.create_connection(("127.0.0.1", server.port))
+            client.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(64).startswith(b"HTTP/1.0 200")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+            client.close()
+        time.sleep(1.0)
+        assert _get(f"http://127.0.0.1:{server.port}/health")[0] == 200
+    finally:
+        server.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err
+
+
+@pytest.mark.parametrize("role", ["learner", "producer", "feeder", "verifier"])
+def test_every_role_exports_process_metrics(role: str) -> None:
+    """Each role's own registry carries process_* (CPU, memory, fds, start time): a restart shows."""
+    from prometheus_client import generate_latest
+
+    from grpo_learner.metrics import LearnerMetrics
+    from grpo_producers.feeder_metrics import FeederMetrics
+    from grpo_producers.metrics import ProducerMetrics
+    from grpo_verifiers.metrics import VerifierMetrics
+
+    cls = {"learner": LearnerMetrics, "producer": ProducerMetrics, "feeder": FeederMetrics,
+           "verifier": VerifierMetrics}[role]
+    text = generate_latest(cls().registry).decode()
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_start_time_seconds",
+                 "process_open_fds", "python_info"):
+        assert f"\n{name}" in text, (role, name)

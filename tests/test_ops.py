@@ -16,9 +16,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -29,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from grpo_core.config import MetricsConfig, build, load_config, to_dict
+from grpo_core.config import MetricsConfig, load_config, to_dict
 from grpo_core.contract import PipelineContract
 from grpo_core.metrics import MetricsServer
 from grpo_core.topics import broker_configs
@@ -47,7 +45,7 @@ METRICS_PORT = 9400
 # The verifier's metric names the dashboards/alerts may use (agreed while the verifier was being written).
 VERIFIER_AGREED = {"grpo_stream_verifier_groups_published_total", "grpo_stream_verifier_completions_total",
                    "grpo_stream_verifier_consumer_lag_completions", "grpo_stream_verifier_reward_errors_total",
-                   "grpo_stream_verifier_dead_letters_total"}
+                   "grpo_stream_verifier_reward_zero_total", "grpo_stream_verifier_dead_letters_total"}
 
 INSTALL = {
     "kustomize": "kubectl (has kustomize built in), or: go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0",
@@ -500,7 +498,7 @@ RULES = sorted((PROM / "rules").glob("*.yml"))
 DASHBOARDS = sorted((OPS / "grafana/dashboards").glob("*.json"))
 
 
-@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-k8s.yml"])
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-k8s.yml", "prometheus-run.yml"])
 def test_promtool_check_config(config: str) -> None:
     res = run([need("promtool"), "check", "config", config], cwd=PROM)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -520,12 +518,13 @@ def exported_metrics() -> set[str]:
     from grpo_learner.metrics import LearnerMetrics
     from grpo_producers.feeder import FeederMetrics
     from grpo_producers.metrics import ProducerMetrics
+    from grpo_stream.run_metrics import RunMetrics
     try:
         from grpo_verifiers.metrics import VerifierMetrics
     except ImportError as exc:
         pytest.fail(f"grpo_verifiers.metrics is not importable ({exc})", pytrace=False)
     names = set()
-    for m in (LearnerMetrics(), ProducerMetrics(), FeederMetrics(), VerifierMetrics()):
+    for m in (LearnerMetrics(), ProducerMetrics(), FeederMetrics(), VerifierMetrics(), RunMetrics("127.0.0.1", -1)):
         for family in m.registry.collect():
             names.add(family.name)
             names.update(s.name for s in family.samples)
@@ -599,7 +598,7 @@ def test_a_renamed_metric_changes_the_generated_dashboard(monkeypatch: pytest.Mo
 
 
 def test_dashboards_are_provisioned() -> None:
-    assert {f.stem for f in DASHBOARDS} == {"training", "pipeline", "kafka"}
+    assert {f.stem for f in DASHBOARDS} == {"training", "pipeline", "kafka", "health"}
     uids = set()
     for f in DASHBOARDS:
         d = json.loads(f.read_text())
@@ -648,27 +647,26 @@ def _scraped_names(port: int, want: set[str], deadline: float, every_s: float,
 
 
 def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
-    """The Prometheus binary scrapes live MetricsServers and knows every name the rules and dashboards use."""
+    """The Prometheus binary scrapes live MetricsServers, untouched, and knows every name the rules and
+    dashboards use: the labelled series exist from the start (tests/test_monitoring.py checks a running
+    pipeline's queries)."""
+    from types import SimpleNamespace
+
     from grpo_learner.metrics import LearnerMetrics
     from grpo_producers.feeder import FeederMetrics
     from grpo_producers.metrics import ProducerMetrics
+    from grpo_stream.run import RunConfig, Supervisor
+    from grpo_stream.run_metrics import RunMetrics
     from grpo_verifiers.metrics import VerifierMetrics
 
     prometheus = need("prometheus")
     learner, producer, feeder, verifier = LearnerMetrics(), ProducerMetrics(), FeederMetrics(), VerifierMetrics()
-    # Label children only appear once used: touch each labelled metric the way the services do.
-    learner.observe_step(1, {"loss": 0.1}, {"forward": 0.1}, [0], ["stale: x"], 10, 0, 3)
-    learner.dead.labels(reason="decode").inc()
-    producer.paused.labels(reason="backlog").inc()
-    producer.dead.labels(reason="decode").inc()
-    producer.swap_latency.observe(1)
-    producer.swap_load.observe(1)
-    producer.batch_seconds.observe(1)
-    feeder.bad.labels(reason="empty").inc()
-    verifier.groups.labels(task="math").inc()
-    verifier.reward_errors.labels(reason="timeout").inc()
-    verifier.dead.labels(reason="decode").inc()
-    servers = [MetricsServer(m.registry, MetricsConfig(port=0)).start() for m in (learner, producer, feeder, verifier)]
+    supervisor, sup = RunMetrics("127.0.0.1", -1), Supervisor(RunConfig(learner={"max_steps": 1}))
+    supervisor.watch(sup)
+    sup.children.append(SimpleNamespace(name="learner", proc=None))  # type: ignore[arg-type]
+    verifier.groups.labels(task="math").inc()  # tasks are the datasets' own names: no series before the first
+    registries = (learner, producer, feeder, verifier, supervisor)
+    servers = [MetricsServer(m.registry, MetricsConfig(port=0)).start() for m in registries]
     proc, port = _start_prometheus(prometheus, tmp_path, [s.port for s in servers], subprocess.PIPE)
     try:
         want = set().union(*used_metrics().values())
@@ -686,64 +684,6 @@ def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
         proc.wait(timeout=30)
         for s in servers:
             s.stop()
-
-
-@pytest.mark.slow
-def test_prometheus_scrapes_a_running_pipeline(tmp_path: Path) -> None:
-    """A short `grpo-stream run` (every role its own process, metrics on fixed ports) scraped by the real
-    Prometheus: every name the rules and dashboards use is exported by the running services. Bad records are
-    injected so the dead-letter and reward-error series exist, as they would in production."""
-    import numpy as np
-
-    from grpo_core import wire
-    from grpo_core.config import KafkaConfig
-    from grpo_core.kafka_io import make_producer
-    from grpo_stream.tiny_model import build_tiny_model
-
-    prometheus = need("prometheus")
-    model = build_tiny_model(tmp_path / "model")
-    out = tmp_path / "run"
-    ports = {role: free_port() for role in ("learner", "producer", "verifier", "feeder")}
-    cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(ROOT / "configs/demo.yaml"), "name=scrape",
-           f"out_dir={out}", "max_minutes=4", "producers.count=1", "producers.config.max_backlog_groups=16",
-           f"learner.model.path={model}", f"producers.config.backend.model={model}",
-           f"learner.weights.fs.root={out / 'weights'}", f"producers.config.weights.fs.root={out / 'weights'}",
-           f"learner.metrics.port={ports['learner']}", f"producers.config.metrics.port={ports['producer']}",
-           f"verifiers.config.metrics.port={ports['verifier']}", f"feeder.metrics.port={ports['feeder']}"]
-    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    prom, port = _start_prometheus(prometheus, tmp_path, list(ports.values()), subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "configs/learner.yaml").exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        learner_cfg = yaml.safe_load((out / "configs/learner.yaml").read_text())
-        kafka = KafkaConfig(bootstrap=learner_cfg["kafka"]["bootstrap"])
-        contract = build(PipelineContract, learner_cfg["pipeline"], "pipeline.")
-        producer = make_producer(kafka, "test")
-        for topic in ("prompts", "completions", "groups"):
-            producer.send(contract.topic(topic), value=b"\x00 garbage for the dlq")
-        rng = np.random.default_rng(0)
-        for i in range(16):  # a whole group of empty completions: reward errors ("empty"), not a crash
-            producer.send(contract.topic("completions"), key=b"empty@e0r0", value=wire.encode(wire.Completion(
-                group_id="empty@e0r0", index=i, group_size=16, prompt_id="empty", task="exact",
-                prompt_token_ids=rng.integers(0, 200, 4, dtype=np.int32),
-                completion_token_ids=np.zeros(0, dtype=np.int32), behaviour_logprobs=np.zeros(0, dtype=np.float32),
-                policy_version=0, producer_id="test", finish_reason="stop", completion="",
-                metadata={"answer": "1"})))
-        producer.flush()
-        producer.close()
-        want = set().union(*used_metrics().values())
-
-        def alive() -> None:
-            assert run.poll() is None, "the pipeline stopped early"
-
-        names = _scraped_names(port, want, deadline + 120, 2.0, alive)
-        assert want <= names, f"not exported by the running pipeline: {sorted(want - names)}"
-    finally:
-        run.send_signal(signal.SIGTERM)
-        run.wait(timeout=120)
-        prom.terminate()
-        prom.wait(timeout=30)
 
 
 # ------------------------------------------------------------------------------------------ data-parallel learner

@@ -1,8 +1,13 @@
 """A broker restart is a pause, not a crash: producers and verifiers keep running through it, rejoin their groups
-and continue from committed offsets, and every prompt fed before, during and after the outage is scored."""
+and continue from committed offsets, and every prompt fed before, during and after the outage is scored; and a
+quiet one: each role says once that the broker is gone and once that it is back."""
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -75,9 +80,10 @@ class Service:
             self.error = exc
 
 
-def test_producer_and_verifier_survive_a_broker_restart(broker: LocalBroker, tmp_path: Path) -> None:
+def _role_configs(broker: LocalBroker, tmp_path: Path, run: str) -> tuple[KafkaConfig, PipelineContract]:
+    """Topics of run ``run`` on ``broker``, and a producer's (p.yaml) and a verifier's (v.yaml) config for it."""
     kafka = KafkaConfig(bootstrap=broker.bootstrap)
-    plan = PipelineContract(run="outage", group_size=G, max_new_tokens=4)
+    plan = PipelineContract(run=run, group_size=G, max_new_tokens=4)
     admin = make_admin(kafka)
     ensure_topics(admin, plan)
     admin.close()
@@ -87,6 +93,11 @@ def test_producer_and_verifier_survive_a_broker_restart(broker: LocalBroker, tmp
                                                      "prompts_per_batch": 2, "backpressure_poll_s": 0.2,
                                                      "weights": {"fs": {"root": str(tmp_path / "w")}}}))
     (tmp_path / "v.yaml").write_text(yaml.safe_dump({**common, "rewards": {"workers": 1}}))
+    return kafka, plan
+
+
+def test_producer_and_verifier_survive_a_broker_restart(broker: LocalBroker, tmp_path: Path) -> None:
+    kafka, plan = _role_configs(broker, tmp_path, "outage")
     producer = Producer(load_config(ProducerConfig, tmp_path / "p.yaml"))
     verifier = Verifier(load_config(VerifierConfig, tmp_path / "v.yaml"))
     services = [Service(producer.run), Service(verifier.run)]
@@ -136,3 +147,47 @@ def test_a_send_waits_through_an_outage_longer_than_the_clients_delivery_timeout
         producer.close()
     values = [m.value for m in read_topic(kafka, plan.topic("dlq"))]
     assert b"through the outage" in values
+
+
+ABOVE_INFO = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) |^Traceback ")
+
+
+def _start_role(role: str, config: Path, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:  # the child keeps its own handle
+        return subprocess.Popen([sys.executable, "-m", "grpo_stream.cli", role, "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_a_broker_outage_is_one_warning_and_one_info_per_role(broker: LocalBroker, tmp_path: Path) -> None:
+    """A 10 s outage under real role processes, as an operator reads their logs: each role writes at most 5
+    lines above INFO for it (one WARNING when the broker stops answering), and one INFO with the outage's length
+    once it answers again; kafka-python's own connection errors stay out of the log."""
+    kafka, plan = _role_configs(broker, tmp_path, "quiet")
+    logs = {"producer": tmp_path / "producer.log", "verifier": tmp_path / "verifier.log"}
+    procs = {role: _start_role(role, tmp_path / f"{role[0]}.yaml", logs[role]) for role in logs}
+    try:
+        feed(kafka, plan, range(0, 6))
+        assert len(scored(kafka, plan, 6, 240)) == 6, {r: logs[r].read_text()[-2000:] for r in logs}
+        before = {role: len(logs[role].read_bytes()) for role in logs}
+        broker.down()
+        time.sleep(10)
+        broker.up()
+        feed(kafka, plan, range(6, 12))
+        assert len(scored(kafka, plan, 12, 240)) == 12
+        assert [p.poll() for p in procs.values()] == [None, None], "a role died of the outage"
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    for role, log in logs.items():
+        lines = log.read_bytes()[before[role]:].decode(errors="replace").splitlines()
+        loud = [line for line in lines if ABOVE_INFO.search(line)]
+        assert len(loud) <= 5, f"{role}: {len(loud)} lines above INFO for one outage:\n" + "\n".join(loud[:40])
+        assert sum("is not answering" in line for line in loud) == 1, f"{role}: " + "\n".join(loud)
+        back = [line for line in lines if " INFO " in line and "answers again after" in line]
+        assert len(back) == 1, f"{role}: " + "\n".join(lines[-60:])
+        assert not any(" kafka." in line for line in loud), f"{role}: kafka-python's own log: " + "\n".join(loud)

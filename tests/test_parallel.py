@@ -24,6 +24,7 @@ from grpo_learner import parallel
 from grpo_learner.advantages import group_advantages
 from grpo_learner.batching import collate
 from grpo_learner.config import LearnerConfig, ParallelConfig
+from grpo_learner.manifest import verify
 from grpo_learner.trainer import Trainer, load_model
 from grpo_stream.tiny_model import build_tiny_model
 
@@ -111,7 +112,9 @@ def test_a_sharded_checkpoint_restores_the_step_exactly(two_rank_results: tuple[
     assert loss_a == loss_b
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     ckpt = out / f"ckpt-{strategy}" / "step-00000001"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["dcp", "meta.json", "rng", "trainer.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["dcp", "manifest.json", "meta.json", "rng", "trainer.pt"]
+    assert verify(ckpt) == ""  # the shards are in the integrity manifest too
+    assert any(name.startswith("dcp/") for name in json.loads((ckpt / "manifest.json").read_text())["files"])
     assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank-0.pt", "rank-1.pt"]
     assert (out / f"ckpt-{strategy}" / "latest").read_text() == "step-00000001"
 

@@ -5,6 +5,7 @@ resolved config or the logged client settings."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,8 +69,19 @@ def test_records_pass_through_the_secured_listener(secured: tuple[LocalBroker, B
     assert PASSWORD not in yaml.safe_dump(to_dict(cfg))
 
 
+@pytest.fixture
+def kafka_logs_at_critical() -> Iterator[None]:
+    """As in every process the CLI starts: kafka-python's loggers at CRITICAL (a refused login is still caught)."""
+    kafka_log = logging.getLogger("kafka")
+    old = kafka_log.level
+    kafka_log.setLevel(logging.CRITICAL)
+    yield
+    kafka_log.setLevel(old)
+
+
 def test_a_wrong_password_fails_fast_naming_the_listener_and_mechanism(
-        secured: tuple[LocalBroker, BrokerSecurity], monkeypatch: pytest.MonkeyPatch) -> None:
+        secured: tuple[LocalBroker, BrokerSecurity], monkeypatch: pytest.MonkeyPatch,
+        kafka_logs_at_critical: None) -> None:
     broker, security = secured
     cfg = login(broker, security, monkeypatch, "not-the-password")
     for make in (lambda: make_producer(cfg, "learner"), lambda: make_consumer(cfg, "learner", "g", []),

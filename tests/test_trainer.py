@@ -4,6 +4,7 @@ and a non-finite step is skipped, never applied."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def test_non_finite_step_is_skipped_not_applied(model_dir: Path) -> None:
     stats = trainer.train_step(groups)
     handle.remove()
     assert stats.skipped_updates == 1
+    # Reported as what it was: not a loss or gradient norm of 0, which reads as a perfectly healthy step.
+    assert math.isnan(stats.metrics["loss"]) and math.isnan(stats.metrics["grad_norm"])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "a NaN step changed weights"
     assert trainer.train_step(groups).skipped_updates == 0  # and training goes on
 

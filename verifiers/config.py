@@ -22,7 +22,8 @@ class VerifierConfig:
     group_timeout_s: float = opt(300.0, "A group still incomplete this long after its first member is resolved.")
     on_timeout: Literal["partial", "drop"] = opt(
         "partial", "partial: publish it (marked partial) if it has >= min_group_size members, else dlq; drop: dlq.")
-    min_group_size: int = opt(2, "Smallest partial group worth publishing (a group of 1 has no variance).")
+    min_group_size: int = opt(
+        2, "Smallest partial group worth publishing (a group of 1 has no variance). In [1, pipeline.group_size].")
     max_poll_records: int = opt(512, "Completions read per poll (one scoring batch at most).")
     poll_timeout_ms: int = opt(200, "Kafka poll timeout.")
     idle_timeout_s: float = opt(
@@ -33,4 +34,8 @@ class VerifierConfig:
     def validate(self) -> None:
         require(self.group_timeout_s > 0, "group_timeout_s: must be > 0")
         require(self.min_group_size >= 1, "min_group_size: must be >= 1")
+        g = self.pipeline.group_size
+        require(self.min_group_size <= g,
+                f"min_group_size: {self.min_group_size} is above pipeline.group_size={g}, so no partial group could "
+                f"ever be published; set it in [1, {g}]")
         require(self.max_poll_records >= 1, "max_poll_records: must be >= 1")

@@ -34,7 +34,7 @@ from grpo_core.stats import group_stats
 from grpo_verifiers.assembly import GroupAssembler, Ready
 from grpo_verifiers.config import VerifierConfig
 from grpo_verifiers.metrics import VerifierMetrics
-from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult, failures
+from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult
 
 log = logging.getLogger("verifier")
 
@@ -194,10 +194,7 @@ class Verifier:
             m.partial.inc()
         for s in scored:
             m.reward_seconds.observe(s.seconds)
-            if s.error:
-                m.reward_errors.labels(reason=failures.kind(s.error)).inc()
-            if s.failed:
-                m.reward_failed.inc()
+            m.observe_reward(s.error, s.failed)
         restarts = int(self.pool.stats().get("restarts", 0))
         m.worker_restarts.inc(max(0, restarts - self._restarts_seen))
         self._restarts_seen = max(restarts, self._restarts_seen)

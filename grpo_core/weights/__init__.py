@@ -154,8 +154,10 @@ class WeightFetcher:
     def stream(self) -> ChunkStream | None:
         return getattr(self.stores["kafka"], "stream", None)
 
-    def fetch(self, ann: wire.WeightsAnnouncement) -> Path:
-        """Return the verified file, retrying transient failures with backoff; else raise WeightFetchError."""
+    def fetch(self, ann: wire.WeightsAnnouncement, superseded: Callable[[], bool] | None = None) -> Path:
+        """Return the verified file, retrying transient failures with backoff; else raise WeightFetchError.
+        ``superseded``: True once a newer version is announced; retrying this one then stops at once (the newest
+        good version is worth more than an old one that may never come)."""
         what = f"weights {ann.run!r} v{ann.version} ({ann.store} {ann.location!r})"
         try:
             check_run_name(ann.run)
@@ -165,10 +167,13 @@ class WeightFetcher:
         t0 = time.perf_counter()
         try:
             path = retry(lambda: self.stores[ann.store].fetch(ann), what, attempts=attempts,
-                         backoff_s=self.cfg.fetch_backoff_s, transient=(Transient, BrokerError, OSError))
+                         backoff_s=self.cfg.fetch_backoff_s, transient=(Transient, BrokerError, OSError),
+                         give_up=superseded)
         except (Transient, BrokerError, OSError) as exc:
             reason = str(exc) if isinstance(exc, Transient) else f"{type(exc).__name__}: {exc}"
-            raise WeightFetchError(f"{what}: {reason} (gave up after {attempts} attempts)") from None
+            why = "a newer version was announced" if superseded is not None and superseded() \
+                else f"gave up after {attempts} attempts"
+            raise WeightFetchError(f"{what}: {reason} ({why})") from None
         except WeightFetchError as exc:
             raise WeightFetchError(f"{what}: {exc}") from None
         dt = time.perf_counter() - t0

@@ -2,12 +2,15 @@
 and hand them to the backend: between batches, or under the requests in flight (the producer's ``weights.swap``;
 a completion then records which version sampled which tokens).
 
-A weight file that is missing or corrupt is retried by the fetcher with backoff; if it still fails, the failure
-is reported and the producer keeps generating with the weights it has, trying again after ``retry_after_s``.
+The newest good version wins: a version is retried (by the fetcher, with backoff) only while nothing newer is
+announced; a refused, corrupt or vanished version is skipped for the newest one at once. If the newest fails, the
+failure is reported and the producer keeps generating with the weights it has, trying again after
+``retry_after_s``. :class:`LagWatch` tells /health when the producer has been too far behind for too long.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -32,12 +35,15 @@ class Swap:
 
 class WeightSubscriber:
     def __init__(self, consumer: Consumer, topic: str, run: str, fetcher: WeightFetcher, version: int,
-                 retry_after_s: float = 5.0, contract: str = "") -> None:
+                 retry_after_s: float = 5.0, contract: str = "", lag: LagWatch | None = None) -> None:
         """``contract``: this producer's pipeline-contract digest; announcements from a learner with another
-        contract are refused (never loaded) and reported in :attr:`refused`."""
+        contract are refused (never loaded) and reported in :attr:`refused`. ``lag``: how far behind is too far
+        (default: never unhealthy)."""
         self.consumer, self.topic, self.run, self.fetcher = consumer, topic, run, fetcher
         self.contract, self.refused = contract, ""
-        self.version = version
+        self.version, self.sha256 = version, ""  # sha256: of the announced file we loaded ("" for initial weights)
+        self.skipped = 0  # versions passed over for a newer one
+        self.lag = lag or LagWatch(-1, 0.0)
         self.newest: wire.WeightsAnnouncement | None = None
         self.retry_after_s = retry_after_s
         self._failed_at: dict[int, float] = {}
@@ -85,25 +91,67 @@ class WeightSubscriber:
             log.error("%s", self.refused)
             return
         self.newest, self.refused = ann, ""
+        self.lag.observe(self.version, ann.version)
 
-    def maybe_swap(self, load: Callable[[Path], None]) -> Swap | None:
-        """If a version other than ours was announced, fetch it and ``load(model_dir)``; None if there is nothing
-        to do. A failed fetch raises WeightFetchError (the caller reports it and keeps its weights); that
-        version is not tried again for ``retry_after_s``."""
-        ann = self.newest
-        if ann is None or ann.version == self.version:
-            return None
-        failed = self._failed_at.get(ann.version)
-        if failed is not None and time.monotonic() - failed < self.retry_after_s:
-            return None
-        t0 = time.perf_counter()
-        try:
-            path = self.fetcher.fetch(ann)
-        except WeightFetchError as exc:
-            self._failed_at[ann.version] = time.monotonic()
-            log.error("weights v%d unavailable, generating with v%d meanwhile: %s", ann.version, self.version, exc)
-            raise
-        load(path.parent)
-        self.version = ann.version
-        self._failed_at.pop(ann.version, None)
-        return Swap(ann.version, ann.published_at, time.perf_counter() - t0)
+    def maybe_swap(self, load: Callable[[Path, int], None]) -> Swap | None:
+        """If a version other than ours was announced, fetch it and ``load(model_dir, version)``; None if there is
+        nothing to do. A version that fails while a newer one is announced is skipped for that one at once (counted
+        in :attr:`skipped`); the newest failing raises WeightFetchError (the caller reports it and keeps its
+        weights) and is not tried again for ``retry_after_s``."""
+        while True:
+            ann = self.newest
+            if ann is None or self._have(ann):
+                return None
+            failed = self._failed_at.get(ann.version)
+            if failed is not None and time.monotonic() - failed < self.retry_after_s:
+                return None
+            t0 = time.perf_counter()
+            try:
+                path = self.fetcher.fetch(ann, superseded=functools.partial(self._superseded, ann))
+            except WeightFetchError as exc:
+                self._failed_at[ann.version] = time.monotonic()
+                if self._superseded(ann):
+                    self.skipped += 1
+                    log.warning("weights v%d skipped for the newer v%d: %s", ann.version, self.newest_version, exc)
+                    continue
+                log.error("weights v%d unavailable, generating with v%d meanwhile: %s", ann.version, self.version,
+                          exc)
+                raise
+            load(path.parent, ann.version)
+            self.version, self.sha256 = ann.version, ann.sha256
+            self._failed_at.pop(ann.version, None)
+            self.lag.observe(self.version, self.newest_version)
+            return Swap(ann.version, ann.published_at, time.perf_counter() - t0)
+
+    def _have(self, ann: wire.WeightsAnnouncement) -> bool:
+        """Whether ``ann`` is what we generate with: its version, and its bytes when we know them (a learner that
+        resumed from an older checkpoint announces the same version numbers again, with other weights)."""
+        return ann.version == self.version and (not self.sha256 or ann.sha256 == self.sha256)
+
+    def _superseded(self, ann: wire.WeightsAnnouncement) -> bool:
+        """Whether another announcement replaced ``ann`` (read now: this runs while a fetch of ``ann`` waits)."""
+        self.poll()
+        return self.newest is not None and (self.newest.version, self.newest.sha256) != (ann.version, ann.sha256)
+
+
+class LagWatch:
+    """Unhealthy while the producer generates with a version more than ``max_lag`` behind the newest announced one
+    for longer than ``grace_s`` (a stuck fetch, a consumer the client library left wedged): the process answers
+    /health 503 instead of 200, so an orchestrator restarts it. ``max_lag`` < 0 or ``grace_s`` <= 0: off."""
+
+    def __init__(self, max_lag: int, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_lag, self.grace_s, self.clock = max_lag, grace_s, clock
+        self.behind_since: float | None = None
+        self.lag = 0
+
+    def observe(self, version: int, newest: int) -> None:
+        self.lag = newest - version
+        if self.max_lag < 0 or self.lag <= self.max_lag:
+            self.behind_since = None
+        elif self.behind_since is None:
+            self.behind_since = self.clock()
+
+    def check(self) -> tuple[bool, dict[str, object]]:
+        behind_s = 0.0 if self.behind_since is None else self.clock() - self.behind_since
+        too_long = self.grace_s > 0 and self.behind_since is not None and behind_s >= self.grace_s
+        return not too_long, {"version_lag": self.lag, "behind_s": round(behind_s, 1)}

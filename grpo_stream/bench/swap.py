@@ -111,7 +111,7 @@ def _swap(subscriber: WeightSubscriber) -> Swap | None:
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     while time.monotonic() < deadline:
         subscriber.poll(timeout_ms=20)
-        swap = subscriber.maybe_swap(lambda d: None)
+        swap = subscriber.maybe_swap(lambda d, v: None)
         if swap is not None:
             return swap
     return None

@@ -336,8 +336,9 @@ def _inject_empty_group(out: Path) -> None:
     producer.close()
 
 
-# The healthy run's length after every series is there: 0 in the suite; GRPO_STREAM_HEALTHY_MINUTES=30 for the
-# long check (docs/results/2026-12-07-monitoring.md), whose alert windows (up to 30 min) then fill up.
+# The healthy run's length after every series is there: 0 in the suite; GRPO_STREAM_HEALTHY_MINUTES=30 (with
+# pytest --timeout=2400) for the long check (docs/results/2026-12-07-no-silent-failure.md), whose alert windows
+# (up to 30 min) then fill up.
 HEALTHY_MINUTES = float(os.environ.get("GRPO_STREAM_HEALTHY_MINUTES", "0"))
 
 

@@ -73,7 +73,7 @@ class KafkaConfig:
         "lz4", "Producer compression. lz4: cheapest CPU per byte; logprob floats barely compress anyway.")
     request_timeout_ms: int = opt(30_000, "Client request timeout.")
     connect_timeout_s: float = opt(
-        60.0, "How long a new client waits for a broker to answer at kafka.bootstrap before the process exits "
+        50.0, "How long a new client waits for a broker to answer at kafka.bootstrap before the process exits "
               "(code 2) with one line naming the address; a broker down at start-up is waited for this long.")
     max_record_bytes: int = opt(
         16 * 1024 * 1024, "Largest record any client sends or fetches; must not exceed the topics' max.message.bytes.")

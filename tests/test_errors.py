@@ -88,7 +88,7 @@ def test_a_model_directory_without_config_json_is_refused(tmp_path: Path) -> Non
 
 def test_an_unreachable_broker_is_one_line_naming_it_within_the_bound(closed_port: int) -> None:
     """Before: the verifier waited ~6 minutes and died of `KafkaTimeoutError: Unable to bootstrap` with a
-    traceback. Now kafka.connect_timeout_s bounds the wait (3 s here, 60 s by default)."""
+    traceback. Now kafka.connect_timeout_s bounds the wait (3 s here, 50 s by default)."""
     bootstrap = f"127.0.0.1:{closed_port}"
     proc, wall, _ = cli("verifier", "--config", "configs/verifier.yaml", "--pipeline", "configs/pipeline.yaml",
                         f"kafka.bootstrap={bootstrap}", "kafka.connect_timeout_s=3", "metrics.port=-1",

@@ -11,7 +11,9 @@ take their part in it. Checkpoints are then sharded (``grpo_learner.dist_checkpo
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -294,7 +296,18 @@ class Learner:
             tensors = self.trainer.full_weights()
         self._refuse_non_finite(tensors.items(), "publish")
         weights = tensors_payload(tensors)
-        ann = self.publisher.publish(self.step, {MODEL_FILE: weights, "config.json": self.model_files["config.json"]})
+        try:
+            ann = self.publisher.publish(self.step, {MODEL_FILE: weights,
+                                                     "config.json": self.model_files["config.json"]})
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            root = Path(self.cfg.weights.fs.root)
+            there = next(p for p in (root, *root.parents) if p.exists())  # the store may not exist yet
+            raise checkpoint.CheckpointError(
+                f"publishing weights v{self.step}: no space left on {root} ({shutil.disk_usage(there).free / 1e9:.2f} "
+                f"GB free, {weights.size / 1e9:.2f} GB needed): free space there, or lower weights.fs.keep "
+                f"({self.cfg.weights.fs.keep})") from None
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)

@@ -411,3 +411,24 @@ def test_checkpoints_exist_but_none_is_intact_is_a_one_line_refusal(tmp_path: Pa
         run_learner("max_steps=2")
     with pytest.raises(checkpoint.CheckpointError, match="damaged-step-00000001"):  # and again at the next start
         run_learner("max_steps=2")
+
+
+def test_a_full_weight_store_is_one_line_naming_the_path_and_the_setting(tmp_path: Path, kafka_cfg: KafkaConfig,
+                                                                         admin: KafkaAdminClient, unique: Callable,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from grpo_core.weights import WeightPublisher
+
+    plan = _one_partition_run(kafka_cfg, admin, unique("full"), ["f0@e0r0", "f1@e0r0"], seed=4)
+    out, run_learner = _in_process_learner(tmp_path, kafka_cfg, plan)
+
+    def full(*_args: object, **_kw: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(WeightPublisher, "publish", full)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        run_learner("max_steps=1")
+    message = str(refused.value)
+    assert message.startswith("publishing weights v0: no space left on ") and str(tmp_path / "weights") in message
+    assert "GB free" in message and "weights.fs.keep (3)" in message and "\n" not in message

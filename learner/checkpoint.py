@@ -92,7 +92,12 @@ def save(root: Path, step: int, models: dict[str, dict[str, Payload]], trainer_s
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    check_space(root, step, sum(p.size for files in models.values() for p in files.values()), keep)
+    # About the model files plus the previous checkpoint's trainer state (optimizer moments: the bulk of it, and the
+    # same size every step): refused before anything is written when it cannot fit.
+    needed = sum(p.size for files in models.values() for p in files.values()) + _trainer_bytes(root)
+    advice = f"free space there, or move out_dir; keep_checkpoints={keep} keeps that many, plus the one being written"
+    if shutil.disk_usage(root).free < needed:
+        raise no_space(f"checkpoint step {step}", root, needed, advice)
     tmp.mkdir()
     known = {}
     try:
@@ -112,31 +117,22 @@ def save(root: Path, step: int, models: dict[str, dict[str, Payload]], trainer_s
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno == errno.ENOSPC:
-            raise CheckpointError(_no_space(root, step, _size(root), keep)) from None
+            raise no_space(f"checkpoint step {step}", root, needed, advice) from None
         raise
 
 
-def check_space(root: Path, step: int, model_bytes: int, keep: int) -> None:
-    """Refuse to start writing a checkpoint that cannot fit: about the model files plus the previous checkpoint's
-    trainer state (optimizer moments: the bulk of it, and the same size every step)."""
+def _trainer_bytes(root: Path) -> int:
+    """Size of the newest checkpoint's trainer.pt (0 before the first)."""
     previous = sorted(root.glob("step-*"))
-    trainer = (previous[-1] / "trainer.pt").stat().st_size if previous and (previous[-1] / "trainer.pt").exists() \
-        else 0
-    if shutil.disk_usage(root).free < model_bytes + trainer:
-        raise CheckpointError(_no_space(root, step, model_bytes + trainer, keep))
+    trainer = previous[-1] / "trainer.pt" if previous else None
+    return trainer.stat().st_size if trainer is not None and trainer.exists() else 0
 
 
-def _no_space(root: Path, step: int, needed: int, keep: int) -> str:
-    free = shutil.disk_usage(root).free
-    return (f"checkpoint step {step}: no space left on {root} ({free / 1e9:.2f} GB free, about {needed / 1e9:.2f} GB "
-            f"needed): free space there, or move out_dir; keep_checkpoints={keep} keeps that many, plus the one "
-            f"being written")
-
-
-def _size(root: Path) -> int:
-    """Bytes of the newest checkpoint (the best guess of the next one's size)."""
-    previous = sorted(root.glob("step-*"))
-    return sum(p.stat().st_size for p in previous[-1].rglob("*") if p.is_file()) if previous else 0
+def no_space(what: str, path: Path, needed: int, advice: str) -> CheckpointError:
+    """A full disk in one line: what was being written, where, the space free and needed, and what to change."""
+    there = next(p for p in (path, *path.parents) if p.exists())  # the directory may not exist yet
+    return CheckpointError(f"{what}: no space left on {path} ({shutil.disk_usage(there).free / 1e9:.2f} GB free, "
+                           f"about {needed / 1e9:.2f} GB needed): {advice}")
 
 
 def temp_dir(root: Path, step: int) -> Path:

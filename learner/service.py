@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -302,12 +301,9 @@ class Learner:
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
-            root = Path(self.cfg.weights.fs.root)
-            there = next(p for p in (root, *root.parents) if p.exists())  # the store may not exist yet
-            raise checkpoint.CheckpointError(
-                f"publishing weights v{self.step}: no space left on {root} ({shutil.disk_usage(there).free / 1e9:.2f} "
-                f"GB free, {weights.size / 1e9:.2f} GB needed): free space there, or lower weights.fs.keep "
-                f"({self.cfg.weights.fs.keep})") from None
+            raise checkpoint.no_space(f"publishing weights v{self.step}", Path(self.cfg.weights.fs.root), weights.size,
+                                      f"free space there, or lower weights.fs.keep ({self.cfg.weights.fs.keep})"
+                                      ) from None
         self.publisher.announce(ann)
         self.source.newest_announced = max(self.source.newest_announced, self.step)
         self.metrics.observe_publish(self.step, ann.size_bytes)

@@ -274,9 +274,14 @@ class WeightsAnnouncement(Record):
     chunk_bytes: int = 0
     published_at: float = 0.0
     contract: str = ""  # the publishing learner's pipeline-contract digest (grpo_core.contract); "" if unknown
+    # The publishing learner's incarnation (its start count, grpo_learner.saving): a learner restarted from a
+    # checkpoint older than versions it announced announces those version numbers again, with other weights, under
+    # a higher incarnation. (version, incarnation) names one set of weights. Additive: 0 when absent.
+    incarnation: int = field(default=0, metadata={"omit_empty": True})
 
     def validate(self) -> None:
         _require(self.version >= 0, f"version: {self.version} < 0")
+        _require(self.incarnation >= 0, f"incarnation: {self.incarnation} < 0")
         _require(self.store in WEIGHT_STORES, f"store: {self.store!r} not in {sorted(WEIGHT_STORES)}")
         _require(len(self.sha256) == 64 and all(ch in "0123456789abcdef" for ch in self.sha256),
                  "sha256: must be 64 lowercase hex digits")

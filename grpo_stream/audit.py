@@ -11,6 +11,10 @@ The promises, each a number that must be 0:
 
 Dead letters are counted once per source record (``grpo_core.kafka_io.dead_letter_key``: a record dead-lettered
 again after a replay is the same one); ``dead_repeats`` says how many extra copies the dlq holds.
+
+Beside the promises, the learner's incarnations (``grpo_stream.versions``): its restarts, and the version numbers
+announced again after one (a restart from a checkpoint older than versions it announced), so a reader knows that
+such a version names more than one set of weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from grpo_core.contract import PipelineContract
 from grpo_core.jsonl import read_lines
 from grpo_core.kafka_io import Record, read_topic
 from grpo_learner.checkpoint import load_latest
+from grpo_stream.versions import describe_again, read_incarnations
 
 
 @dataclass
@@ -48,6 +53,10 @@ class Audit:
     offsets_pending: int = 0
     prompts_lost: int = 0
     lost_ids: list[str] = field(default_factory=list)
+    incarnations: list[int] = field(default_factory=list)  # the learner's, with lines in the lineage
+    restarts: int | None = None  # None: the run records no incarnations
+    announced_again: dict[int, list[int]] | None = None  # version -> incarnations; None: no versions.jsonl
+    announced_other_weights: int = 0  # of those, versions announced with more than one sha256
 
     def broken(self) -> list[str]:
         """The promises this run broke (empty: it kept them all)."""
@@ -125,6 +134,16 @@ def _account(audit: Audit, lines: list[dict[str, Any]], position: dict[int, int]
         audit.offsets_pending += max(0, end - below)
 
 
+def add_incarnations(a: Audit, out_dir: Path) -> Audit:
+    """Fill in ``a``'s incarnation figures from ``out_dir`` (no broker needed); they are no promise: a restart
+    that announces versions again keeps exactly-once, it only makes a version number ambiguous."""
+    found = read_incarnations(out_dir)
+    a.incarnations, a.restarts = found.in_lineage, found.restarts
+    a.announced_again = found.again() if found.recorded else None
+    a.announced_other_weights = len(found.other_weights())
+    return a
+
+
 def audit_run(kafka: KafkaConfig, contract: PipelineContract, out_dir: Path) -> Audit:
     """Reconcile the run in ``out_dir`` (the learner's out_dir) against its topics on ``kafka``."""
     a = Audit()
@@ -142,7 +161,7 @@ def audit_run(kafka: KafkaConfig, contract: PipelineContract, out_dir: Path) -> 
     for p in position:
         ends.setdefault(p, 0)
     _account(a, lines, position, dict(ends))
-    return a
+    return add_incarnations(a, out_dir)
 
 
 def format_audit(a: Audit, processes: dict[str, str] | None = None) -> str:
@@ -155,6 +174,14 @@ def format_audit(a: Audit, processes: dict[str, str] | None = None) -> str:
         ("groups offsets accounted twice", a.offsets_accounted_twice),
         ("groups offsets not yet read", a.offsets_pending), ("prompts lost", a.prompts_lost),
     ]
+    if a.incarnations:
+        rows.append(("learner incarnations in the lineage", f"{len(a.incarnations)} "
+                     f"({', '.join(map(str, a.incarnations))})"))
+    if a.restarts is not None:
+        rows.append(("learner restarts", a.restarts))
+    if a.announced_again is not None:
+        rows.append(("versions announced again after a restart", describe_again(a.announced_again) or "none"))
+        rows.append(("versions announced with other weights", a.announced_other_weights))
     rows += [(f"dropped: {k}", v) for k, v in sorted(a.dropped.items())]
     rows += [(f"dead-lettered: {k}", v) for k, v in sorted(a.dead.items())]
     rows.append(("dead letters repeated (same source record)", a.dead_repeats))

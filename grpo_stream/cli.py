@@ -109,17 +109,25 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "throughput":
         from grpo_stream.bench import throughput
 
-        return throughput.main(preset=args.preset, demo=args.demo, dist=args.length_dist, median=args.median,
-                               p99_ratio=args.p99_ratio, group_size=args.group_size, prompts=args.prompts,
-                               max_tokens=args.max_tokens, repeats=args.repeats or 3, warmup=args.warmup,
-                               steps=args.steps, budget_s=args.budget or 900.0, arms=args.arms, short=args.short,
-                               out=args.out or "runs/bench-throughput")
+        return throughput.main(preset=(args.preset or ["50m"])[-1], demo=args.demo, dist=args.length_dist,
+                               median=args.median, p99_ratio=args.p99_ratio, group_size=args.group_size or 8,
+                               prompts=args.prompts or 2, max_tokens=args.max_tokens, repeats=args.repeats or 3,
+                               warmup=args.warmup, steps=args.steps, budget_s=args.budget or 900.0, arms=args.arms,
+                               short=args.short, out=args.out or "runs/bench-throughput")
     if args.what == "async":
         from grpo_stream.bench import async_bench
 
         return async_bench.main(budget_s=args.budget or 90.0, repeats=args.repeats or 1, target=args.target,
                                 short=args.short, out=args.out or "runs/bench-async", arms=args.arms,
                                 task=args.task)
+    if args.what == "publish":
+        from grpo_stream.bench import saving_cost
+
+        return saving_cost.main(presets=args.preset, arms=args.arms, short=args.short, warmup=args.warmup,
+                                steps=args.steps, repeats=args.repeats or 3, checkpoint_every=args.checkpoint_every,
+                                group_size=args.group_size, groups=args.prompts, completion_len=args.completion_tokens,
+                                publish_dtype=args.publish_dtype, bootstrap=args.bootstrap,
+                                out=args.out or "runs/bench-publish")
     from grpo_stream.bench import wire
 
     return wire.main(seconds=args.seconds, bootstrap=args.bootstrap, kafka_records=args.records)
@@ -237,20 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")
     b.add_argument("what", choices=["wire", "learner", "producer", "verifier", "async", "engine", "throughput",
-                                    "predict"])
+                                    "predict", "publish"])
     b.add_argument("runs", nargs="*", help="predict: learning runs (demo or sweep run directories) to check")
     b.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
     b.add_argument("--bootstrap", default=None, help="external cluster; default: a temporary local broker")
     b.add_argument("--records", type=int, default=2000, help="wire: ScoredGroups for the produce->consume test")
     b.add_argument("--steps", type=int, default=None, help="learner: timed steps per model (5); throughput: "
                                                              "measured learner steps per arm, after --warmup (a "
-                                                             "preset 4, --demo 150)")
+                                                             "preset 4, --demo 150); publish: timed steps per arm (10)")
     b.add_argument("--budget", type=float, default=None,
                    help="async: seconds per arm from its first token (default 90); engine: seconds per run (20); "
                         "throughput: the most seconds an arm may take, start-up included (900)")
     b.add_argument("--repeats", type=int, default=None,
                    help="async, engine, throughput: runs of every arm, interleaved (min/median/max; default 1, "
-                        "engine and throughput 3)")
+                        "engine, throughput and publish 3)")
     b.add_argument("--batch", type=int, default=None, help="engine: groups per batch and in flight (default: "
                                                           "groups_per_batch of configs/bench-async.yaml, 16)")
     b.add_argument("--lengths", default="1-8", help="engine: digit counts of the copy prompts, a range (1-8) or a "
@@ -261,9 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--task", default="copy_short", help="async: the multi-token synthetic family every arm learns "
                                                          "(copy_short: 1-4 digits; copy: 1-8, the longer tail)")
     b.add_argument("--short", action="store_true", help="async: arms S and P v1 inflight only (a smoke run); "
-                                                        "throughput: every arm, tiny preset, 1+3 steps, 1 repeat")
-    b.add_argument("--preset", default="50m", choices=["tiny", "50m", "qwen2.5-0.5b"],
-                   help="throughput: the model (random weights; qwen2.5-0.5b: Qwen2.5-0.5B's shape)")
+                                                        "throughput, publish: every arm, tiny preset, 1+3 steps, "
+                                                        "1 repeat")
+    b.add_argument("--preset", action="append", default=None, choices=["tiny", "50m", "qwen2.5-0.5b"],
+                   help="throughput: the model (random weights; qwen2.5-0.5b: Qwen2.5-0.5B's shape; default 50m); "
+                        "publish: repeatable (default 50m and qwen2.5-0.5b)")
     b.add_argument("--demo", action="store_true", help="throughput: the demo's task, model and configs/demo.yaml "
                                                        "(arms S, S-hybrid, P demo, TRL) instead of a preset")
     b.add_argument("--length-dist", default="lognormal", choices=["lognormal", "fixed", "model"],
@@ -271,15 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--median", type=int, default=64, help="throughput: median completion length in tokens")
     b.add_argument("--p99-ratio", type=float, default=8.0, help="throughput: lognormal p99 / median (the tail)")
     b.add_argument("--max-tokens", type=int, default=512, help="throughput: the cap of the drawn lengths")
-    b.add_argument("--group-size", type=int, default=8, help="throughput: G")
-    b.add_argument("--prompts", type=int, default=2, help="throughput: prompts (groups) per learner step")
+    b.add_argument("--group-size", type=int, default=None, help="throughput: G (8); publish: G (4)")
+    b.add_argument("--prompts", type=int, default=None, help="throughput, publish: prompts (groups) per learner "
+                                                             "step (throughput 2, publish 1)")
+    b.add_argument("--completion-tokens", type=int, default=None, help="publish: tokens per completion (32)")
+    b.add_argument("--checkpoint-every", type=int, default=None, help="publish: steps between checkpoints (10)")
+    b.add_argument("--publish-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="publish: the learner's publish_dtype")
     b.add_argument("--warmup", type=int, default=None,
-                   help="throughput: learner steps per arm before the clock (a preset 1, --demo 20)")
-    b.add_argument("--out", default=None, help="async, engine: output directory (runs/bench-async, runs/bench-engine)")
+                   help="throughput: learner steps per arm before the clock (a preset 1, --demo 20); publish: 2")
+    b.add_argument("--out", default=None, help="async, engine, throughput, publish: output directory "
+                                               "(runs/bench-<what>)")
     b.add_argument("--arms", default=None, help="async, throughput: only these arms, comma-separated (S, "
                                                 "S-hybrid, P-v1-between, P-v1-inflight, P-v4-between, "
                                                 "P-v4-inflight; async: S-lag2 only when named; throughput: TRL, "
-                                                "and with --demo P-demo)")
+                                                "and with --demo P-demo; publish: none, sync, async, "
+                                                "async+ckpt-on-publish)")
     b.set_defaults(fn=_bench)
 
     r = sub.add_parser("run", help="a whole pipeline (feeder, producers, verifiers, learner) as supervised processes")

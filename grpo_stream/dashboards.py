@@ -93,6 +93,10 @@ def training(L: Names) -> Dashboard:
         Panel("Groups trained / dropped per second", [
             (_rate(L.trained), "trained"), (f"sum by (reason) ({_rate(L.dropped)})", "dropped: {{reason}}")]),
         Panel("Skipped updates (non-finite loss/grad)", [(f"increase({L.skipped}[15m])", "skipped (15m)")]),
+        Panel("Saving off the step loop: the loop's wait for the previous write, per second (0: fully hidden)", [
+            (f"sum by (kind) ({_rate(L.save_wait)})", "waited for {{kind}}"),
+            (_mean(L.publish_seconds, "5m"), "background publish, mean s"),
+            (_rate(L.publishes_skipped), "publishes skipped /s")]),
     ])
 
 

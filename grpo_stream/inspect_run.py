@@ -6,12 +6,13 @@ on its recorded ports for the reading and stopped afterwards; a run on a cluster
 its learner config. Views (:func:`main`):
 
 * ``--summary``: per range of steps, groups trained, mean reward and staleness, drops by reason; then the dead
-  letters by topic and reason.
+  letters by topic and reason, and the learner's incarnations with the versions announced again after a restart.
 * ``--step N``: every group trained at step N -- prompt and completion texts, rewards, advantages (the run's own
   advantage settings), policy versions and span, staleness, producer, topic/partition/offset -- and what the
-  step dropped, with the reason.
-* ``--group ID``: one group end to end: its prompt record(s), completion records, scored group(s), and the step
-  that trained it or the reason it was not.
+  step dropped, with the reason; and the learner incarnation that wrote the step's lines.
+* ``--group ID``: one group end to end: its prompt record(s), completion records, scored group(s), the step
+  that trained it or the reason it was not, and the announcements of its policy versions (a version announced
+  again after a learner restart with other weights is ambiguous: the records do not say which weights sampled).
 
 Text tables by default, ``--json`` for scripts.
 """
@@ -34,6 +35,7 @@ from grpo_core.kafka_io import Record, read_topic
 from grpo_learner.advantages import group_advantages
 from grpo_learner.config import LearnerConfig
 from grpo_stream.broker import LocalBroker
+from grpo_stream.versions import Incarnations, describe_again, incarnation_list, read_incarnations
 
 RANGES = 10  # rows of --summary
 
@@ -66,11 +68,13 @@ class RunLog:
     completions: dict[str, list[tuple[Record, wire.Completion]]] = field(default_factory=dict)
     prompts: dict[str, list[tuple[Record, wire.PromptTask]]] = field(default_factory=dict)
     dead: list[wire.DeadLetter] = field(default_factory=list)
+    incarnations: Incarnations = field(default_factory=Incarnations)
 
     @classmethod
     def read(cls, run_dir: Path, topics: tuple[str, ...] = ("groups", "completions", "prompts", "dlq")) -> RunLog:
         learner = load_config(LearnerConfig, str(run_dir / "configs" / "learner.yaml"), [])
         log = cls(learner, list(read_lines(run_dir / "lineage.jsonl")))
+        log.incarnations = read_incarnations(run_dir, log.lineage)
         plan = learner.pipeline
         with run_cluster(run_dir, learner) as kafka:
             records = {t: read_topic(kafka, plan.topic(t)) for t in topics}
@@ -135,17 +139,41 @@ def group_view(log: RunLog, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_view(log: RunLog, step: int) -> dict[str, Any]:
+    """A step's groups, and the incarnation(s) that wrote its lines (a restarted learner may add a no_update line
+    at the step its predecessor checkpointed)."""
     lines = log.lines(step)
-    return {"step": step, "trained": [group_view(log, e) for line in lines for e in line["trained"]],
+    return {"step": step, "incarnations": sorted({line["incarnation"] for line in lines if "incarnation" in line}),
+            "trained": [group_view(log, e) for line in lines for e in line["trained"]],
             "dropped": [group_view(log, e) for line in lines for e in line["dropped"]]}
 
 
+def version_weights(log: RunLog, versions: set[int]) -> list[dict[str, Any]]:
+    """Which announcements (incarnation, sha256) each of ``versions`` has in versions.jsonl; empty for a run
+    without one. More than one set of weights under a version: ``ambiguous`` says so."""
+    if not log.incarnations.recorded:
+        return []
+    out = []
+    for v in sorted(versions):
+        found = log.incarnations.of(v)
+        item: dict[str, Any] = {"version": v, "announcements": [
+            {"incarnation": a["incarnation"], "sha256": a["sha256"][:12]} for a in found]}
+        if len({a["sha256"] for a in found}) > 1:
+            incs = sorted({a["incarnation"] for a in found})
+            item["ambiguous"] = f"announced by incarnations {incarnation_list(incs)}"
+        out.append(item)
+    return out
+
+
 def group_trace(log: RunLog, group_id: str) -> dict[str, Any]:
-    """A group end to end: prompt -> completions -> scored group -> the step that trained (or dropped) it."""
+    """A group end to end: prompt -> completions -> scored group -> the step that trained (or dropped) it, and
+    the announced weights of the versions that sampled it."""
     scored = [(m, g) for m, g in log.groups.values() if g is not None and g.group_id == group_id]
     prompt_id = scored[0][1].prompt_id if scored else group_id.split("@", 1)[0]
-    outcome = [{"step": line["step"], "trained": e in line["trained"], **e}
+    outcome = [{"step": line["step"], "trained": e in line["trained"], **e,
+                **({"incarnation": line["incarnation"]} if "incarnation" in line else {})}
                for line in log.lineage for e in (*line["trained"], *line["dropped"]) if e.get("group_id") == group_id]
+    versions = {g.policy_version for _, g in scored} | {e["version"] for e in outcome if "version" in e}
+    versions |= {v for _, c in log.completions.get(group_id, []) for v, _ in _spans(c)}
     return {
         "group_id": group_id,
         "prompts": [{"coordinates": _coords(m), "prompt": t.prompt, "epoch": t.epoch, "sample_round": t.sample_round}
@@ -159,6 +187,7 @@ def group_trace(log: RunLog, group_id: str) -> dict[str, Any]:
                                                             "scored: see the prompts and the dead letters)"}],
         "dead_letters": [{"source": f"{d.source_topic}/{d.partition}/{d.offset}", "reason": d.reason}
                          for d in log.dead if group_id.encode() in d.raw],
+        "weights": version_weights(log, versions),
     }
 
 
@@ -177,7 +206,11 @@ def summary(log: RunLog) -> dict[str, Any]:
                                                          for line in chunk for e in line["dropped"]))})
     dead = collections.Counter(f"{d.source_topic}: {d.reason.split(':', 1)[0]}" for d in log.dead)
     steps = sum(1 for line in lines if line["trained"])  # no operator_skip, no no_update lines
-    return {"steps": steps, "ranges": rows, "dead_letters": dict(sorted(dead.items()))}
+    inc = log.incarnations
+    return {"steps": steps, "ranges": rows, "dead_letters": dict(sorted(dead.items())),
+            "incarnations": inc.in_lineage, "restarts": inc.restarts,
+            "announced_again": inc.again() if inc.recorded else None,
+            "announced_other_weights": inc.other_weights() if inc.recorded else None}
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -193,6 +226,14 @@ def format_summary(s: dict[str, Any]) -> str:
         drops = ", ".join(f"{k} {n}" for k, n in r["dropped"].items()) or "-"
         out.append(f"{r['steps']:>11} {r['trained']:>8} {_num(r['reward']):>8} {_num(r['staleness']):>10}  {drops}")
     out.append("dead letters: " + (", ".join(f"{k} x{n}" for k, n in s["dead_letters"].items()) or "none"))
+    if s.get("incarnations"):
+        out.append(f"learner incarnations in the lineage: {', '.join(map(str, s['incarnations']))}"
+                   + ("" if s.get("restarts") is None else f" (restarts {s['restarts']})"))
+    if s.get("announced_again") is not None:
+        again = describe_again(s["announced_again"]) or "none"
+        other = s["announced_other_weights"]
+        out.append(f"versions announced again after a restart: {again}"
+                   + (f"; with other weights: {', '.join(f'v{v}' for v in other)}" if other else ""))
     return "\n".join(out)
 
 
@@ -209,9 +250,17 @@ def format_group(g: dict[str, Any]) -> str:
 
 
 def format_step(v: dict[str, Any]) -> str:
-    out = [f"step {v['step']}: {len(v['trained'])} trained, {len(v['dropped'])} dropped"]
+    incs = v.get("incarnations") or []
+    by = f" (incarnation{'s' if len(incs) > 1 else ''} {incarnation_list(incs)})" if incs else ""
+    out = [f"step {v['step']}: {len(v['trained'])} trained, {len(v['dropped'])} dropped{by}"]
     out += [format_group(g) for g in (*v["trained"], *v["dropped"])]
     return "\n".join(out)
+
+
+def format_weights(w: dict[str, Any]) -> str:
+    """``v12: i0 sha256 0123456789ab, i1 sha256 ba9876543210  AMBIGUOUS: announced by incarnations 0 and 1``."""
+    found = ", ".join(f"i{a['incarnation']} sha256 {a['sha256']}" for a in w["announcements"]) or "not announced"
+    return f"v{w['version']}: {found}" + (f"  AMBIGUOUS: {w['ambiguous']}" if "ambiguous" in w else "")
 
 
 def format_trace(t: dict[str, Any]) -> str:
@@ -219,6 +268,9 @@ def format_trace(t: dict[str, Any]) -> str:
     for key in ("prompts", "completions", "scored", "outcome", "dead_letters"):
         out.append(f"  {key}:" + ("" if t[key] else " none"))
         out += [f"    {json.dumps(item, default=str)}" for item in t[key]]
+    if t.get("weights"):
+        out.append("  weights (versions.jsonl):")
+        out += [f"    {format_weights(w)}" for w in t["weights"]]
     return "\n".join(out)
 
 

@@ -229,8 +229,13 @@ def non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     checkpointed or published: every producer would sample from them)."""
     bad = []
     for name, t in tensors:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad.append(f"{name}: {int((~torch.isfinite(t)).sum())}")
+        # One reduction per tensor: a NaN or Inf anywhere makes the sum non-finite (cheaper than a mask of the
+        # tensor, and this runs at every publish); only then are they counted, which also clears a sum that
+        # overflowed on finite values.
+        if t.is_floating_point() and not bool(torch.isfinite(t.sum(dtype=torch.float32))):
+            count = int((~torch.isfinite(t)).sum())
+            if count:
+                bad.append(f"{name}: {count}")
     return ", ".join(bad)
 
 

@@ -123,9 +123,28 @@ class LearnerConfig:
     max_seq_len: int = opt(0, "Longest prompt+completion accepted (0: the model's max_position_embeddings).")
     max_steps: int = opt(0, "Stop after this many learner steps (0: run until stopped).")
     stage_steps: int = opt(0, "Reset pi_ref to the current policy every N steps (Alg. 1 stages; 0: fixed ref).")
-    checkpoint_every: int = opt(10, "Checkpoint every N steps (and always before publishing, see below).")
+    checkpoint_every: int = opt(10, "Checkpoint every N steps (alone decides checkpoints unless "
+                                    "checkpoint_on_publish).")
+    checkpoint_async: bool = opt(
+        True, "Write checkpoints from a background thread: the step loop only copies the state (model, optimizer, "
+              "offsets, dedup position, all of one step) into reused buffers and trains on. One checkpoint in "
+              "flight; the next waits for it. Sharded (ddp/fsdp2) checkpoints are written synchronously.")
     checkpoint_on_publish: bool = opt(
-        True, "Checkpoint before each publish, so every announced version can be restored after a crash.")
+        False, "Also checkpoint every publish step, and announce a version only once its checkpoint is committed: "
+               "every announced version can then be restored after a crash, at the cost of a checkpoint per "
+               "publish. Off: versions announced after the last checkpoint are re-trained after a crash and "
+               "announced again under a new incarnation (grpo_learner.saving).")
+    publish_async: bool = opt(
+        True, "Publish from a background thread: the step loop copies the weights into a reused buffer (a "
+              "device-to-host copy on a GPU) and trains on while the copy is serialised, hashed, written and "
+              "announced.")
+    publish_overlap: Literal["wait", "skip"] = opt(
+        "wait", "A publish step that comes while the previous version is still being written: wait for it "
+                "(counted in grpo_stream_learner_save_wait_seconds_total), or skip this version (the next publish "
+                "step publishes a newer one; counted in grpo_stream_learner_publishes_skipped_total).")
+    publish_dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "The dtype of published weights (what the producers load), cast from the master weights at the "
+                "snapshot; auto: the model's own dtype.")
     keep_checkpoints: int = opt(2, "Checkpoints kept on disk.")
     publish_initial: bool = opt(True, "Publish the starting weights as version 0 when a run begins.")
     dedup_window: int = opt(1_000_000, "How many trained group ids are remembered to ignore duplicates "

@@ -8,6 +8,8 @@ fsynced at checkpoints. After a restart from the checkpoint of step ``s``, lines
 updates that died with the process; :meth:`Lineage.truncate_after` removes them so the file describes exactly
 the updates the model carries.
 
+Every line names the learner's incarnation (its start count, ``grpo_learner.saving``) that trained it.
+
 A ``no_update`` line (empty trained list) accounts for groups dropped with nothing trainable left to take them
 with -- the tail of a finite feed -- at the current step, without an update; its checkpoint follows at once. It
 survives a restart only if that checkpoint's position is past its offsets.
@@ -26,14 +28,14 @@ __all__ = ["Lineage", "read_lines"]
 
 
 class Lineage:
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, incarnation: int = 0) -> None:
+        self.path, self.incarnation = path, incarnation
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
 
     def record(self, step: int, trained: list[dict[str, Any]], dropped: list[dict[str, Any]],
                **extra: Any) -> None:
-        line = {"step": step, "trained": trained, "dropped": dropped, **extra}
+        line = {"step": step, "incarnation": self.incarnation, "trained": trained, "dropped": dropped, **extra}
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._file.flush()
 

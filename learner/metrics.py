@@ -51,6 +51,15 @@ class LearnerMetrics:
         self.published = Counter(p + "weights_published_total", "Weight versions published", registry=r)
         self.published_bytes = Counter(p + "weights_published_bytes_total", "Bytes of weights published",
                                        registry=r)
+        self.publish_seconds = Histogram(p + "publish_seconds", "Write + announce of a version, in the background "
+                                         "unless publish_async is off", registry=r,
+                                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.save_wait = init_series(Counter(p + "save_wait_seconds_total", "Seconds the step loop waited for the "
+                                             "previous publish or checkpoint to finish writing", ["kind"],
+                                             registry=r), ("publish", "checkpoint"))
+        self.publishes_skipped = Counter(p + "publishes_skipped_total", "Publish steps passed over because the "
+                                         "previous version was still being written (publish_overlap: skip)",
+                                         registry=r)
         self.dead = dead_letter_counter(r, "learner", DEAD_LETTER_REASONS)
         self._jsonl = jsonl_path.open("a", encoding="utf-8") if jsonl_path else None
         self.trackers = trackers
@@ -86,10 +95,14 @@ class LearnerMetrics:
         for reason in dropped:
             self.dropped.labels(reason=reason.split(":", 1)[0]).inc()
 
-    def observe_publish(self, version: int, size_bytes: int) -> None:
+    def observe_publish(self, version: int, size_bytes: int, seconds: float) -> None:
         self.version.set(version)
         self.published.inc()
         self.published_bytes.inc(size_bytes)
+        self.publish_seconds.observe(seconds)
+
+    def observe_wait(self, kind: str, seconds: float) -> None:
+        self.save_wait.labels(kind=kind).inc(seconds)
 
     def _write_jsonl(self, line: dict[str, Any]) -> None:
         """The one place a step's metrics go out: metrics.jsonl (the source of truth), then the trackers."""

@@ -68,6 +68,7 @@ def follow(cfg: LearnerConfig, env: Env) -> int:
     """A follower rank: build the same model and trainer as rank 0, then run its side of each command."""
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, load_model(cfg.model, device=env.device), env)
+    sharded = dist_checkpoint.ShardedSaver(env, cfg.checkpoint_async)  # in the order rank 0 makes its own
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Rank 0 gets the same signal from torchrun (or k8s), finishes its step, checkpoints (with us) and says STOP.
         signal.signal(sig, lambda signum, _frame: log.info("rank %d: signal %d, waiting for rank 0", env.rank,
@@ -80,7 +81,7 @@ def follow(cfg: LearnerConfig, env: Env) -> int:
             steps += 1
         elif command is Command.CHECKPOINT:
             root, step, keep = arg
-            dist_checkpoint.save(Path(root), step, trainer, env, None, None, keep)
+            sharded.save(Path(root), step, trainer, None, None, keep)
         elif command is Command.PUBLISH:
             trainer.full_weights()
         elif command is Command.RESET_REF:
@@ -88,5 +89,6 @@ def follow(cfg: LearnerConfig, env: Env) -> int:
         elif command is Command.RESTORE:
             dist_checkpoint.load(Path(arg), trainer, env)
         elif command is Command.STOP:
+            sharded.wait()
             log.info("rank %d: stopped by rank 0 after %d step(s)", env.rank, steps)
             return 0

@@ -1,8 +1,9 @@
 """The learner process: read scored groups, train, checkpoint, publish weights (``grpo-stream learner``).
 
-Order of effects at a publishing step ``s`` (the reason every announced version can be restored):
-checkpoint(s) -> write weights(s) to the store -> announce(s). A crash between the first and the last is
-repaired at start-up, which re-publishes the checkpoint's weights when the announcement is missing.
+Checkpoints and publishes are snapshotted on the step loop and written in the background; when each happens, and
+what a crash does to the versions announced after the last checkpoint, is in ``grpo_learner.saving``. At start-up
+the checkpoint's weights are (re-)published when the run's newest announcement is missing, older than the
+checkpoint implies, or past it (weights lost with the previous incarnation).
 
 Under ``torchrun`` (``parallel.strategy`` ddp/fsdp2) this process is rank 0 and everything here stays its own; each
 step, checkpoint, publish and reference reset is first announced to the other ranks (``grpo_learner.ranks``), which
@@ -11,10 +12,8 @@ take their part in it. Checkpoints are then sharded (``grpo_learner.dist_checkpo
 
 from __future__ import annotations
 
-import errno
 import logging
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,14 +25,15 @@ from grpo_core.metrics import Liveness
 from grpo_core.process import serve
 from grpo_core.staleness import staleness
 from grpo_core.trackers import Trackers
-from grpo_core.weights import MODEL_FILE, WeightPublisher, read_announcements
+from grpo_core.weights import WeightPublisher, read_announcements
 from grpo_learner import checkpoint, dist_checkpoint, parallel
 from grpo_learner.config import LearnerConfig
 from grpo_learner.lineage import Lineage
 from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.parallel import Env
-from grpo_learner.publish import metadata_payloads, tensors_payload, unique_tensors
+from grpo_learner.publish import metadata_payloads, unique_tensors
 from grpo_learner.ranks import Command, Leader, follow
+from grpo_learner.saving import SavePolicy, Saver, next_incarnation
 from grpo_learner.seen_log import SeenLog
 from grpo_learner.source import GroupSource, Pick, SourceRules, lineage_entries
 from grpo_learner.trainer import StepStats, Trainer, load_model
@@ -46,11 +46,13 @@ log = logging.getLogger("learner")
 def announcement_is_behind(latest: wire.WeightsAnnouncement | None, step: int, publish_every: int,
                            contract: str) -> bool:
     """Whether a (re)starting learner must publish its weights now: nothing announced yet, the last announcement
-    older than the last publish step the checkpoint implies, or from a learner with another contract (a run name
-    reused with other settings: the producers refuse those weights, and would wait for the next publication)."""
+    older than the last publish step the checkpoint implies, past the checkpoint (weights of steps that died with
+    the previous incarnation: producers must leave them for weights this learner has), or from a learner with
+    another contract (a run name reused with other settings: the producers refuse those weights, and would wait
+    for the next publication)."""
     if latest is None:
         return True
-    return latest.version < step - step % publish_every or latest.contract != contract
+    return latest.version < step - step % publish_every or latest.version > step or latest.contract != contract
 
 
 def check_layout(ckpt: checkpoint.Checkpoint | None, env: Env | None) -> None:
@@ -70,10 +72,13 @@ class Learner:
         self.cfg, self.env = cfg, env
         self.out = Path(cfg.out_dir or f"runs/{cfg.pipeline.run}")
         self.out.mkdir(parents=True, exist_ok=True)
+        self.incarnation = next_incarnation(self.out)
         torch.manual_seed(cfg.seed)
         self.rejected: list[str] = []  # checkpoints found damaged at start-up (counted once metrics exist)
         self.ckpt, model = self._newest_good_state()
         self.trainer = Trainer(cfg, model, env)
+        # Right after the trainer, as on the other ranks (follow()): its gloo group is made by every rank in order.
+        self.sharded = dist_checkpoint.ShardedSaver(env, cfg.checkpoint_async) if env is not None else None
         self.model_files = metadata_payloads(model)  # config.json & co., rendered once for every save/publish
         self.leader = Leader(env, cfg.parallel.timeout_s) if env is not None else None
         self.step = 0
@@ -96,8 +101,12 @@ class Learner:
         self.publisher = WeightPublisher(cfg.weights, cfg.kafka, cfg.pipeline.topic("weights"),
                                          cfg.pipeline.topic("weight_data"), cfg.pipeline.run,
                                          contract=cfg.pipeline.digest())
-        self.lineage = Lineage(self.out / "lineage.jsonl")
+        self.lineage = Lineage(self.out / "lineage.jsonl", self.incarnation)
         self.seen_log = SeenLog(self.out / "checkpoints", cfg.dedup_window)
+        policy = SavePolicy(cfg.publish_async, cfg.publish_overlap, cfg.publish_dtype, cfg.checkpoint_async,
+                            cfg.checkpoint_on_publish, cfg.keep_checkpoints, cfg.weights.fs.root, cfg.weights.fs.keep)
+        self.saver = Saver(policy, self.out / "checkpoints", self.publisher, self.metrics, self.model_files,
+                           self.incarnation, self.out / "versions.jsonl", self._committed)
         self.stopping = False
         self.liveness, self._lag_at, self._last_lag = Liveness(cfg.metrics.stall_s), 0.0, 0
         self.last_group_at = time.monotonic()
@@ -149,13 +158,19 @@ class Learner:
         if dropped:
             log.info("lineage: dropped %d line(s) past step %d (not in the restored model)", dropped, self.step)
         self.source.start(offsets, self.cfg.start_from)
+        self.saver.restorable(self.step)
         self._operator_skip()
         latest, highest = read_announcements(self.cfg.kafka, self.cfg.pipeline.topic("weights"),
                                              self.cfg.pipeline.run)
         self.source.newest_announced = highest
         if self.cfg.publish_initial and announcement_is_behind(latest, self.step, self.cfg.publish_every,
                                                                self.cfg.pipeline.digest()):
-            self.publish()
+            if latest is not None and latest.version > self.step:
+                log.warning("the run announced v%d (incarnation %d) past this checkpoint (step %d): those weights "
+                            "were lost with the previous incarnation; announcing the checkpoint's as v%d, "
+                            "incarnation %d", latest.version, latest.incarnation, self.step, self.step,
+                            self.incarnation)
+            self.publish(background=False)
 
     def _operator_skip(self) -> None:
         """Apply ``skip_to``: record the skipped ranges, then checkpoint the new position, so the skip is durable
@@ -169,7 +184,7 @@ class Learner:
         if new:
             self.lineage.record(self.step, [], [], operator_skip=new)
         log.warning("operator skip at step %d: %s", self.step, skipped)
-        self.save_checkpoint()
+        self.save_checkpoint(background=False)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -187,8 +202,9 @@ class Learner:
             stats = self.trainer.train_step([i.group for i in pick.trained])
             stats.timings["wait"] = pick.wait_s
             self._after_step(pick, stats)
+        self.saver.drain()
         if self.ckpt is None or self.ckpt.step != self.step:
-            self.save_checkpoint()
+            self.save_checkpoint(background=False)
         self._tell(Command.STOP)
         return self.step
 
@@ -198,6 +214,7 @@ class Learner:
             self.leader.tell(command, arg)
 
     def _after_step(self, pick: Pick, stats: StepStats) -> None:
+        self.saver.poll()  # a background save that failed fails this step
         trained_at = self.step
         self.step += 1
         self.liveness.progressed()
@@ -212,7 +229,7 @@ class Learner:
         if (publish and cfg.checkpoint_on_publish) or self.step % cfg.checkpoint_every == 0:
             stats.timings["checkpoint"] = self.save_checkpoint()
         if publish:
-            stats.timings["publish"] = self.publish()
+            stats.timings["publish"] = self.publish() or 0.0
         self.metrics.observe_step(
             self.step, stats.metrics, stats.timings,
             staleness=[staleness(trained_at, i.group.policy_version) for i in pick.trained],
@@ -231,7 +248,7 @@ class Learner:
         _, dropped = lineage_entries(pick, self.step)
         self.lineage.record(self.step, [], dropped, no_update=True)
         self.source.commit()
-        self.save_checkpoint()
+        self.save_checkpoint(background=False)
         self.liveness.progressed()
         self.metrics.observe_drops([i.reason for i in pick.dropped])
         log.info("step %d: %d group(s) dropped with nothing to train (%s)", self.step, len(pick.dropped),
@@ -262,64 +279,48 @@ class Learner:
         return self._last_lag
 
     # ---- durable effects ---------------------------------------------------------------------------
-    def save_checkpoint(self) -> float:
+    def save_checkpoint(self, background: bool | None = None) -> float:
+        """Checkpoint this step: its offsets and dedup position are made durable beside the state now, the state
+        is written in the background (``grpo_learner.saving``) unless ``background`` is False. Returns the seconds
+        the step loop spent."""
         t0 = time.perf_counter()
         self.lineage.sync()
         seen = self.seen_log.append(self.source.take_unsaved(), self.source.seen)  # durable before the commit
         meta = {"offsets": {str(p): o for p, o in self.source.position.items()}, "run": self.cfg.pipeline.run,
-                "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time(), "seen_log": seen}
+                "topic": self.cfg.pipeline.topic("groups"), "saved_at": time.time(), "seen_log": seen,
+                "incarnation": self.incarnation}
         root, keep = self.out / "checkpoints", self.cfg.keep_checkpoints
         if self.env is None:
-            tensors = unique_tensors(self.trainer.model)
-            self._refuse_non_finite(tensors.items(), "checkpoint")
             state = {"trainer": self.trainer.state(), "rng": checkpoint.rng_state()}
-            files = {MODEL_FILE: tensors_payload(tensors), **self.model_files}
-            path = checkpoint.save(root, self.step, {"model": files}, state, meta, keep=keep)
-        else:
-            self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
-            saved = dist_checkpoint.save(root, self.step, self.trainer, self.env, {}, meta, keep)
-            assert saved is not None  # rank 0 commits
-            path, meta = saved, {**meta, "layout": "dcp"}
-        self.seen_log.gc(root.glob("step-*"))
-        self.ckpt = checkpoint.Checkpoint(path, {**meta, "step": self.step})
+            return self.saver.checkpoint(self.step, unique_tensors(self.trainer.model), state, meta, background)
+        assert self.sharded is not None
+        self.metrics.observe_wait("checkpoint", self.saver.checkpoints.wait())
+        self.saver.poll()
+        self._tell(Command.CHECKPOINT, (str(root), self.step, keep))
+        finish = self.sharded.save(root, self.step, self.trainer, {}, meta, keep)
+        self.saver.finish_sharded(self.step, finish, meta, background)
         return time.perf_counter() - t0
 
-    def publish(self) -> float:
-        """Write the current weights to the store and announce them as version = the current step."""
-        t0 = time.perf_counter()
-        # Serialised straight into the store, hashed as it is written: no temporary file to copy (publish.py).
+    def _committed(self, ckpt: checkpoint.Checkpoint) -> None:
+        """A checkpoint is on disk: the dedup log's files no checkpoint names any more can go."""
+        self.seen_log.gc((self.out / "checkpoints").glob("step-*"))
+        self.ckpt = ckpt
+
+    def publish(self, background: bool | None = None) -> float | None:
+        """Publish the current weights as version = the current step (written and announced in the background
+        unless ``background`` is False); None when skipped. Returns the seconds the step loop spent."""
         if self.env is None:
             tensors = unique_tensors(self.trainer.model)
         else:  # the other ranks join the gather (FSDP2) and wait for the next command
             self._tell(Command.PUBLISH)
             tensors = self.trainer.full_weights()
-        self._refuse_non_finite(tensors.items(), "publish")
-        weights = tensors_payload(tensors)
-        try:
-            ann = self.publisher.publish(self.step, {MODEL_FILE: weights,
-                                                     "config.json": self.model_files["config.json"]})
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            raise checkpoint.no_space(f"publishing weights v{self.step}", Path(self.cfg.weights.fs.root), weights.size,
-                                      f"free space there, or lower weights.fs.keep ({self.cfg.weights.fs.keep})"
-                                      ) from None
-        self.publisher.announce(ann)
-        self.source.newest_announced = max(self.source.newest_announced, self.step)
-        self.metrics.observe_publish(self.step, ann.size_bytes)
-        log.info("published weights v%d (%d bytes, sha256 %s)", self.step, ann.size_bytes, ann.sha256[:12])
-        return time.perf_counter() - t0
-
-    def _refuse_non_finite(self, tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-        """Weights with NaN/Inf are never checkpointed or published (updates that would make them are skipped, so
-        they came from elsewhere): exit, and the restart resumes from the newest good checkpoint."""
-        bad = checkpoint.non_finite(tensors)
-        if bad:
-            raise checkpoint.CheckpointError(
-                f"step {self.step}: the weights hold non-finite values ({bad}); refusing to {what} them. The learner "
-                "exits: restarted, it resumes from its newest intact checkpoint")
+        spent = self.saver.publish(self.step, tensors, background)
+        if spent is not None:
+            self.source.newest_announced = max(self.source.newest_announced, self.step)
+        return spent
 
     def close(self) -> None:
+        self.saver.close()
         self.source.consumer.close()
         self.publisher.close()
         self.sender.close()

@@ -2,15 +2,18 @@
 # The GPU check (issue #12, section 4; grpo_stream/bench/gpu_check.py): the learner's train step on CUDA in bf16
 # (i = 1 and i = 10, Qwen2.5-0.5B's shape with random weights, 28 groups x G = 16 x 200-token completions), the HF
 # backend generating on CUDA, the on-policy ratio check, and `bench throughput`'s learner side: one learner step
-# per model preset (tiny, 50m, qwen2.5-0.5b) on its batch shape (grpo_stream/bench/gpu_presets.py). Prints a
-# summary table; exits non-zero when a check fails. Under 5 minutes on an H200.
+# per model preset (tiny, 50m, qwen2.5-0.5b) on its batch shape (grpo_stream/bench/gpu_presets.py); and what a
+# publish at every step (v = 1) costs the learner's step loop: the device-to-host snapshot into pinned buffers (s,
+# GB/s) and the i = 1 step alone, with asynchronous publishing and with the step loop writing, to an fs store in a
+# temporary directory, not announced (grpo_stream/bench/gpu_saving.py). Prints a summary table; exits non-zero
+# when a check fails (the saving figures have no threshold). Under 5 minutes on an H200.
 #
 #   ./ops/gpu-check.sh [--json FILE] [--peak-tflops N]    on a GPU machine, from anywhere
 #   ./ops/gpu-check.sh --smoke                             the same code on CPU with a tiny model (seconds)
 #   GPU_CHECK_SMOKE=1 ./ops/gpu-check.sh                   the same as --smoke
 #
 # What the machine needs: Python >= 3.11 (GPU_CHECK_PYTHON, default python3) with torch, transformers, tokenizers,
-# safetensors, numpy, msgpack and pyyaml -- and kafka-python, although nothing here talks to a broker: the learner's
+# safetensors, numpy, msgpack, pyyaml and prometheus-client (the learner's metrics) -- and kafka-python, although nothing here talks to a broker: the learner's
 # config imports grpo_core.weights.config, whose package __init__ imports grpo_core.kafka_io, which imports kafka
 # at module level (grpo_learner.trainer -> grpo_learner.config -> grpo_core.weights -> grpo_core.kafka_io -> kafka).
 # Not needed: vLLM, Java, Kafka, datasets, math-verify; lz4 and crc32c (kafka-python imports them only if present).
@@ -48,7 +51,8 @@ def absent(name):
         return u.find_spec(name) is None
     except ImportError:
         return True
-need = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "msgpack", "yaml", "kafka"]
+need = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "msgpack", "yaml", "prometheus_client",
+        "kafka"]
 print(" ".join(n for n in need if absent(n)))')"
 if [ -n "$missing" ]; then
   echo "gpu-check: $PY lacks: $missing (kafka = kafka-python; see this script's header for carrying wheels)" >&2

@@ -123,8 +123,7 @@ class ContinuousLoop:
             return
         self._followed_at = now
         p.weights.poll()
-        target = p.weights.newest
-        if target is not None and target.version != p.weights.version:
+        if p.weights.outdated:  # a newer version, or ours announced again with other bytes
             kv = self.cfg.weights.inflight_kv
             swap = p.try_swap(lambda model_dir, version: self.engine.swap(model_dir, version, kv))
             if swap is not None:  # in use from the engine's next step on

@@ -46,7 +46,7 @@ from grpo_core.metrics import Liveness
 from grpo_core.process import reuse_freed_memory, serve
 from grpo_core.retry import retry
 from grpo_core.weights import WeightFetcher, WeightFetchError
-from grpo_core.weights.subscriber import LagWatch, Swap, WeightSubscriber
+from grpo_core.weights.subscriber import LagWatch, Swap, WeightSubscriber, label
 from grpo_producers.backends import make_backend
 from grpo_producers.backends.base import Sample, StreamingBackend
 from grpo_producers.backpressure import Backlog, Knobs, LiveKnobs, pause_reason
@@ -192,7 +192,8 @@ class Producer:
         if swap is not None:
             self.metrics.version.set(swap.version)
             self.metrics.swap_load.observe(swap.load_s)
-            log.info("now generating with weights v%d (fetch+load %.2fs)", swap.version, swap.load_s)
+            log.info("now generating with weights %s (fetch+load %.2fs)", label(swap.version, swap.incarnation),
+                     swap.load_s)
         return swap
 
     # ---- one batch ---------------------------------------------------------------------------------

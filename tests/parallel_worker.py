@@ -89,16 +89,21 @@ def main(model_dir: str, out_dir: str, strategies: list[str]) -> None:
 
 def resume(model_dir: str, out: Path, strategy: str, trainer: Trainer, env: parallel.Env) -> None:
     """A sharded checkpoint restores the step exactly: a fresh trainer loaded from it takes the same next step
-    (weights, optimizer moments, scheduler) as the trainer that wrote it."""
+    (weights, optimizer moments, scheduler) as the trainer that wrote it. Written asynchronously, while the
+    trainer that wrote it already takes that step: the checkpoint holds the state of the step it was taken at."""
     root = out / f"ckpt-{strategy}"
-    dist_checkpoint.save(root, 1, trainer, env, {"seen": []}, {"offsets": {}}, keep=2)
+    sharded = dist_checkpoint.ShardedSaver(env, background=True)
+    finish = sharded.save(root, 1, trainer, {"seen": []}, {"offsets": {}}, keep=2)
+    after = []
+    stats = trainer.train_step(batch_groups(seed=1)) if env.leader else trainer.train_shard()
+    after.append((stats.metrics.get("loss"), trainer.full_weights()))
+    finish()
+    sharded.wait()
     dist.barrier()
     fresh = Trainer(trainer.cfg, load_model(trainer.cfg.model), env)
     dist_checkpoint.load(root / "step-00000001", fresh, env)
-    after = []
-    for t in (trainer, fresh):
-        stats = t.train_step(batch_groups(seed=1)) if env.leader else t.train_shard()
-        after.append((stats.metrics.get("loss"), t.full_weights()))
+    stats = fresh.train_step(batch_groups(seed=1)) if env.leader else fresh.train_shard()
+    after.append((stats.metrics.get("loss"), fresh.full_weights()))
     if env.leader:
         torch.save({"written": after[0], "restored": after[1]}, out / f"{strategy}-resume.pt")
 

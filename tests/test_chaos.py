@@ -42,6 +42,8 @@ def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
     # The learner was killed with its newest checkpoint damaged: it resumed from the previous one (set aside the
     # damaged one) and still trained every group once (the audit above).
     assert len(result.damaged) == 1 and result.quarantined == [f"damaged-{result.damaged[0]}"]
+    # Each learner kill is a restart, a new incarnation, in the lineage and in what the audit reports.
+    assert a.restarts is not None and a.restarts >= result.kills["learner"] and len(a.incarnations) >= 2
     assert any(k.startswith("producer") for k in result.kills)
     assert result.states["feeder"] == "finished" and result.states["learner"] == "running"
     producers = sorted(s for n, s in result.states.items() if n.startswith("producer"))

@@ -139,7 +139,8 @@ def test_the_loop_polls_weights_and_commits_at_intervals_not_every_turn(monkeypa
     held = [{tp, gone}]
     loop = ContinuousLoop.__new__(ContinuousLoop)
     loop.p = SimpleNamespace(
-        weights=SimpleNamespace(poll=lambda: polls.append(clock[0]), newest=None, version=1, newest_version=1),
+        weights=SimpleNamespace(poll=lambda: polls.append(clock[0]), newest=None, version=1, newest_version=1,
+                                outdated=False),
         prompts=SimpleNamespace(assignment=lambda: held[0]),
         metrics=SimpleNamespace(newest_version=SimpleNamespace(set=lambda v: None)))
     loop.flight, loop.marks, loop._committed = {}, PromptWatermark(), {}
@@ -172,7 +173,7 @@ def test_the_loop_swaps_with_the_configured_kv_rule(kv: str) -> None:
     swaps: list[tuple[Path, int, str]] = []
     cfg = load_config(ProducerConfig, None, ["backend.model=/m", "backend.kind=vllm", f"weights.inflight_kv={kv}"])
     newest = SimpleNamespace(version=3)
-    weights = SimpleNamespace(poll=lambda: None, newest=newest, version=2, newest_version=3)
+    weights = SimpleNamespace(poll=lambda: None, newest=newest, version=2, newest_version=3, outdated=True)
     observed: list[float] = []
     p = SimpleNamespace(
         weights=weights, try_swap=lambda load: load(Path("/w/v3"), 3) or SimpleNamespace(announced_at=0.0),

@@ -4,6 +4,7 @@ script's own path set-up, not the installed package) and without the packages th
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_stream.bench import gpu_check
 from grpo_stream.tiny_model import param_count
@@ -18,7 +21,8 @@ from grpo_stream.tiny_model import param_count
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ["device", "model", "learner config", "generation", "generation tokens/s", "generation peak memory",
           "ratio |r-1| mean", "ratio |r-1| max", "ratio control (1-token shift)", "train batch", "imports", "wall time",
-          "preset tiny step",
+          "preset tiny step", "saving snapshot", "saving step alone", "saving step async publish",
+          "saving step sync publish",
           *(f"i={i} {what}" for i in (1, 10) for what in ("step time", "split", "tokens/s", "peak memory", "MFU"))]
 CHECKS = ["generation", "on-policy ratio", "ratio control", "i=1 train steps", "i=10 train steps", "imports", "time",
           "preset tiny train steps"]
@@ -62,6 +66,22 @@ def test_the_smoke_mode_prints_every_field_and_passes_its_checks(tmp_path: Path)
     tiny = data["presets"]["tiny"]
     assert 16 <= tiny["completion_tokens"] <= 16 * 512 and tiny["step_s"] > 0
     assert tiny["params"] == param_count("tiny")
+    # the saving section: a measurement (no check), every figure a positive number, every publish written
+    saving = data["saving"]
+    assert saving["publish_dtype"] == "bfloat16" and saving["i"] == 1 and not saving["snapshot"]["pinned"]
+    with torch.device("meta"):  # the smoke model's parameters, the tied embedding once, as the snapshot has them
+        model = Qwen2ForCausalLM(Qwen2Config(**gpu_check.SMOKE_SHAPE, tie_word_embeddings=True))
+    assert saving["snapshot"]["bytes"] == 2 * sum(p.numel() for p in model.parameters())  # bf16
+    figures = [saving["snapshot"][k] for k in ("s", "first_s", "gb_per_s")] + [saving["alone"]["step_s"]]
+    for mode in ("async", "sync"):
+        m = saving[mode]
+        assert m["publishes"] == saving["warmup"] + m["steps"]  # every version written
+        assert m["bytes"] > saving["snapshot"]["bytes"]  # the weights and the safetensors header
+        figures += [m[k] for k in ("step_s", "ratio", "loop_s", "write_s")]
+        assert m["wait_s"] >= 0 and math.isfinite(m["wait_s"])
+    assert all(math.isfinite(x) and x > 0 for x in figures), figures
+    assert "GB/s" in rows["saving snapshot"] and "x alone" in rows["saving step async publish"]
+    assert not list(tmp_path.glob("gpu-check-saving-*")), "the saving section leaves its stores behind"
     assert not list(tmp_path.glob("gpu-check-site.*")), "the script leaves its temporary directory behind"
 
 

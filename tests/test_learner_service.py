@@ -83,7 +83,7 @@ def test_learner_trains_publishes_drops_and_survives_kill9(tmp_path: Path, kafka
         "model": {"path": str(model_dir)}, "optim": {"lr": 1e-3},
         "weights": {"kind": "fs", "fs": {"root": str(tmp_path / "weights")}},
         "groups_per_batch": B, "publish_every": V,
-        "checkpoint_every": 1000, "max_steps": 9, "metrics": {"port": -1},
+        "checkpoint_every": V, "max_steps": 9, "metrics": {"port": -1},
     }
     config = tmp_path / "learner.yaml"
     config.write_text(yaml.safe_dump(cfg))

@@ -168,6 +168,7 @@ def test_a_two_rank_learner_in_a_pipeline_survives_a_rank_killed(tmp_path: Path)
     cmd = [sys.executable, "-m", "grpo_stream.cli", "run", str(REPO / "configs" / "demo.yaml"), "name=dp-test",
            f"out_dir={out}", "max_minutes=6", "learner_ranks=2", "learner.parallel.strategy=ddp",
            "learner.max_steps=12", "learner.groups_per_batch=4", "learner.publish_every=2",
+           "learner.checkpoint_every=2",
            f"learner.model.path={model}", f"producers.config.backend.model={model}", "producers.count=1",
            f"learner.weights.fs.root={out / 'weights'}", f"producers.config.weights.fs.root={out / 'weights'}",
            "producers.config.max_backlog_groups=8"]

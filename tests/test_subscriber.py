@@ -1,6 +1,9 @@
 """The producer's weight subscription takes the newest good version: a version that fails while a newer one is
 announced is passed over at once (not retried with backoff), a learner that resumed from an older checkpoint is
-followed at the same version number, and /health reports a producer left behind for too long."""
+followed at the same version number, and /health reports a producer left behind for too long.
+
+A version's identity is (version, incarnation): the tests of that run on an in-memory weights topic and a fake
+fetcher (what is decided is which announcement to load, not how bytes move)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from grpo_core import wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_io import make_consumer
+from grpo_core.kafka_io import Partition, make_consumer
 from grpo_core.weights import FsStoreConfig, WeightFetcher, WeightFetchError, WeightPublisher, WeightStoreConfig
 from grpo_core.weights.subscriber import LagWatch, WeightSubscriber
 
@@ -100,6 +105,116 @@ def test_the_same_version_with_other_bytes_is_loaded(pair: tuple[WeightPublisher
     swap = subscriber.maybe_swap(lambda model_dir, version: None)
     assert swap is not None and subscriber.sha256 == again.sha256
     assert subscriber.maybe_swap(lambda model_dir, version: None) is None
+
+
+class MemoryTopic:
+    """The weights topic as the subscriber's consumer sees it: announcements appended, each polled once."""
+
+    def __init__(self) -> None:
+        self.records: list[SimpleNamespace] = []
+        self.read = 0
+
+    def announce(self, version: int, incarnation: int, sha: str) -> wire.WeightsAnnouncement:
+        ann = wire.WeightsAnnouncement(run="run-a", version=version, store="fs", location=f"run-a/v{version}",
+                                       sha256=sha * 64, size_bytes=4096, incarnation=incarnation)
+        self.records.append(SimpleNamespace(value=wire.encode(ann), offset=len(self.records)))
+        return ann
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {0}
+
+    def assign(self, tps: list[Partition]) -> None:
+        pass
+
+    def seek_to_beginning(self, *tps: Partition) -> None:
+        pass
+
+    def poll(self, timeout_ms: int = 0, max_records: int | None = None) -> dict[Partition, list[SimpleNamespace]]:
+        new, self.read = self.records[self.read:], len(self.records)
+        return {Partition("weights", 0): new} if new else {}
+
+
+class FakeFetcher:
+    """Fetches by writing nothing: returns a path naming the announcement; ``bad`` sha256 digits fail."""
+
+    def __init__(self, root: Path, bad: str = "") -> None:
+        self.root, self.bad = root, bad
+        self.fetched: list[tuple[int, int, str]] = []
+
+    def fetch(self, ann: wire.WeightsAnnouncement, superseded: Callable[[], bool] | None = None) -> Path:
+        self.fetched.append((ann.version, ann.incarnation, ann.sha256[0]))
+        if self.bad and ann.sha256[0] in self.bad:
+            raise WeightFetchError(f"v{ann.version}: sha256 mismatch")
+        return self.root / f"v{ann.version}-i{ann.incarnation}" / "model.safetensors"
+
+
+def _memory_subscriber(tmp_path: Path, bad: str = "") -> tuple[MemoryTopic, FakeFetcher, WeightSubscriber]:
+    topic, fetcher = MemoryTopic(), FakeFetcher(tmp_path, bad)
+    subscriber = WeightSubscriber(topic, "weights", "run-a", fetcher, 0)  # type: ignore[arg-type]
+    return topic, fetcher, subscriber
+
+
+def _load_into(loaded: list[tuple[str, int]]) -> Callable[[Path, int], None]:
+    return lambda model_dir, version: loaded.append((model_dir.name, version))
+
+
+def test_a_new_incarnation_of_our_version_with_other_bytes_is_loaded(tmp_path: Path) -> None:
+    """The learner crashed past its checkpoint and re-trained v12: the v12 we have died with incarnation 0."""
+    topic, fetcher, subscriber = _memory_subscriber(tmp_path)
+    topic.announce(12, 0, "a")
+    subscriber.poll()
+    loaded: list[tuple[str, int]] = []
+    assert subscriber.maybe_swap(_load_into(loaded)) is not None
+    assert (subscriber.version, subscriber.incarnation) == (12, 0) and not subscriber.outdated
+    topic.announce(12, 1, "b")
+    subscriber.poll()
+    assert subscriber.outdated  # what the in-flight loop asks before it swaps
+    swap = subscriber.maybe_swap(_load_into(loaded))
+    assert swap is not None and (swap.version, swap.incarnation) == (12, 1)
+    assert loaded == [("v12-i0", 12), ("v12-i1", 12)]
+    assert (subscriber.version, subscriber.incarnation, subscriber.sha256) == (12, 1, "b" * 64)
+    assert not subscriber.outdated and subscriber.maybe_swap(_load_into(loaded)) is None
+
+
+def test_the_same_bytes_under_a_new_incarnation_are_adopted_without_a_reload(tmp_path: Path) -> None:
+    """A restarted learner re-announcing its checkpoint's version names the bytes we already generate with."""
+    topic, fetcher, subscriber = _memory_subscriber(tmp_path)
+    topic.announce(12, 0, "a")
+    subscriber.poll()
+    assert subscriber.maybe_swap(lambda model_dir, version: None) is not None
+    topic.announce(12, 1, "a")
+    subscriber.poll()
+    assert not subscriber.outdated
+    assert subscriber.maybe_swap(lambda model_dir, version: None) is None
+    assert fetcher.fetched == [(12, 0, "a")]
+    assert (subscriber.version, subscriber.incarnation) == (12, 1)
+
+
+def test_the_initial_weights_are_not_a_new_incarnations_version(tmp_path: Path) -> None:
+    """The initial weights' bytes are unknown: v0 from incarnation 1 is loaded, v0 from incarnation 0 is ours."""
+    topic, fetcher, subscriber = _memory_subscriber(tmp_path)
+    topic.announce(0, 0, "a")
+    subscriber.poll()
+    assert subscriber.maybe_swap(lambda model_dir, version: None) is None and fetcher.fetched == []
+    topic.announce(0, 1, "b")
+    subscriber.poll()
+    assert subscriber.maybe_swap(lambda model_dir, version: None) is not None
+    assert (subscriber.version, subscriber.incarnation) == (0, 1)
+
+
+def test_a_failed_incarnation_does_not_hold_back_the_next_one(tmp_path: Path) -> None:
+    """v12@i0's bytes are gone (they died with the learner): v12@i1 is tried at once, not after retry_after_s."""
+    topic, fetcher, subscriber = _memory_subscriber(tmp_path, bad="a")
+    topic.announce(12, 0, "a")
+    subscriber.poll()
+    with pytest.raises(WeightFetchError):
+        subscriber.maybe_swap(lambda model_dir, version: None)
+    assert subscriber.maybe_swap(lambda model_dir, version: None) is None  # within retry_after_s: not again
+    topic.announce(12, 1, "b")
+    subscriber.poll()
+    swap = subscriber.maybe_swap(lambda model_dir, version: None)
+    assert swap is not None and (swap.version, swap.incarnation) == (12, 1)
+    assert fetcher.fetched == [(12, 0, "a"), (12, 1, "b")]
 
 
 def test_lag_watch_turns_unhealthy_only_after_the_grace_period() -> None:

@@ -4,8 +4,10 @@ On a model of Qwen2.5-0.5B's shape (random weights, bf16): the learner's real tr
 learner config on 28 in-memory scored groups of G = 16 x 200 tokens, i = 1 and i = 10 (step time split, tokens/s,
 peak memory, MFU); the HF backend generating (tokens/s); the on-policy ratio check (the learner's recompute of the
 backend's samples against its logprobs); ``bench throughput``'s learner side, one step per model preset
-(:mod:`grpo_stream.bench.gpu_presets`). Run by ``ops/gpu-check.sh`` (its header: what the machine needs);
-``--smoke`` runs the same code on CPU with a tiny shape in seconds (the test suite's mode).
+(:mod:`grpo_stream.bench.gpu_presets`); what publishing at every step costs the step loop, with the
+device-to-host snapshot and the background write (:mod:`grpo_stream.bench.gpu_saving`). Run by
+``ops/gpu-check.sh`` (its header: what the machine needs); ``--smoke`` runs the same code on CPU with a tiny shape
+in seconds (the test suite's mode).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from grpo_learner.logprobs import completion_logprobs
 from grpo_learner.trainer import DTYPES, StepStats, Trainer, load_model
 from grpo_producers.backends.base import BackendConfig, SamplingConfig, make_backend
 from grpo_stream.bench.gpu_presets import BENCH_CONFIG, presets_section
+from grpo_stream.bench.gpu_saving import saving_section
 from grpo_stream.tiny_model import build_tokenizer
 
 # Dense (no sparsity) bf16 tensor-core peaks by GPU name. The H200 has the H100 SXM's compute (more memory only).
@@ -370,6 +373,10 @@ def run(plan: Plan, paper_config: Path, peak_tflops: float | None, report: Repor
         report.row("train batch", f"{len(groups)} groups x G={plan.group_size}, completions {plan.completion_len} "
                                   f"tokens, prompts {plan.prompt_len[0]}-{plan.prompt_len[1]} tokens")
         peak = bf16_peak(plan.device, peak_tflops)
+        # Before the i sections, with a share of the budget like each of theirs (a third: i = 1, i = 10 and this).
+        deadline = start + plan.budget_s - 10.0
+        guarded(report, "saving", lambda: saving_section(
+            plan, base, groups, time.monotonic() + (deadline - time.monotonic()) / (len(cfgs) + 1), report))
         for n, (i, cfg) in enumerate(sorted(cfgs.items())):
             # Leave each later i its share of what is left of the budget.
             deadline = start + plan.budget_s - 10.0

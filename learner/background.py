@@ -14,15 +14,12 @@ stores retry their own I/O).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -32,7 +29,6 @@ class Worker:
         self.name = name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_job_s = 0.0  # how long the last finished job ran
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -44,13 +40,10 @@ class Worker:
         self.check()
 
         def run() -> None:
-            t0 = time.perf_counter()
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 -- kept for the learner's thread, which raises it
                 self._error = exc
-            finally:
-                self.last_job_s = time.perf_counter() - t0
 
         self._thread = threading.Thread(target=run, name=f"learner-{self.name}", daemon=True)
         self._thread.start()

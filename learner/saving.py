@@ -42,10 +42,10 @@ from grpo_learner import checkpoint
 from grpo_learner.background import Buffers, Worker
 from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.publish import tensors_payload
+from grpo_learner.trainer import DTYPES
 
 log = logging.getLogger("learner")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def next_incarnation(out: Path) -> int:

@@ -38,8 +38,8 @@ from grpo_learner.background import Buffers
 from grpo_learner.config import LearnerConfig
 from grpo_learner.metrics import LearnerMetrics
 from grpo_learner.publish import metadata_payloads, unique_tensors
-from grpo_learner.saving import DTYPES, SavePolicy, Saver
-from grpo_learner.trainer import Trainer, load_model
+from grpo_learner.saving import SavePolicy, Saver
+from grpo_learner.trainer import DTYPES, Trainer, load_model
 
 if TYPE_CHECKING:
     from grpo_stream.bench.gpu_check import Plan, Report

@@ -1,19 +1,27 @@
-"""Two receive-path speedups for kafka-python 3.0, applied once per process by :mod:`grpo_core.kafka_io`.
+"""Receive-path patches for kafka-python 3.0, applied once per process by :mod:`grpo_core.kafka_io`: two
+speedups and one fix.
 
 kafka-python reads sockets 4 KiB per ``recv`` call and copies every buffered read twice. For the multi-MiB
-records of the kafka weight store that is the bottleneck (about 6 s per GiB on one core here, measured by
-``grpo-stream bench producer``), so the consumer could not keep pace with a learner streaming a new version.
-The patches change nothing observable but speed:
+records of the kafka weight store that is the bottleneck (``grpo-stream bench producer`` measures it), so the
+consumer could not keep pace with a learner streaming a new version. The two speedups change nothing observable
+but speed:
 
 * ``KafkaTCPTransport._sock_recv`` drains the socket into one reusable 1 MiB buffer per connection (the same
   loop, exceptions and disconnect detection as the original, a 256x larger read per call);
 * ``KafkaBytes.read`` copies once from a memoryview instead of slicing a bytearray and copying the slice.
 
-Both replace a function whose source we checked. pyproject.toml pins kafka-python to the release they were written
-for; any other release (or a changed function) is refused at start-up with :class:`UnpatchedKafkaError`, so the
-speed-up cannot vanish silently with an upgrade. ``GRPO_STREAM_UNPATCHED_KAFKA=1`` runs anyway, unpatched (correct,
-only slower for large records), with a warning. TLS connections keep kafka-python's own
-``KafkaSSLTransport._sock_recv``.
+The fix: ``KafkaTCPTransport._read_from_sock`` (TLS connections inherit it) dropped the bytes of a read that also
+saw the peer close. A broker answers a refused SASL login and closes the connection after
+``connection.failed.authentication.delay.ms`` (100 ms by default); a client busy for longer than that read the
+answer and the close together, lost the answer, and took the refusal for an outage, retried with backoff: a
+wrong password cost from a second to half a minute instead of failing at once. The patched loop hands the
+bytes to the protocol first, then closes.
+
+Each replaces a function whose source we checked. pyproject.toml pins kafka-python to the release they were
+written for; any other release (or a changed function) is refused at start-up with :class:`UnpatchedKafkaError`,
+so neither the speed-up nor the fix can vanish silently with an upgrade. ``GRPO_STREAM_UNPATCHED_KAFKA=1`` runs
+anyway, unpatched (slower for large records, a refused login may be reported late), with a warning. TLS
+connections keep kafka-python's own ``KafkaSSLTransport._sock_recv``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import hashlib
 import inspect
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,7 @@ _RECV_BYTES = 1 << 20
 _EXPECTED = {
     "KafkaTCPTransport._sock_recv": "2594a6a62ec5a3e56355033514d33265dcd9513bc5c24342c1b91c90641589ff",
     "KafkaBytes.read": "21580870f9dff4aa732e1b80061bd6d11ccd122104d7e10c7c93962417a9a3a9",
+    "KafkaTCPTransport._read_from_sock": "572fe643c70751bf28e4e977ce7fcc667ba473801a01cd642c85834ad2413af5",
 }
 _applied: dict[str, bool] = {}
 _originals: dict[str, Any] = {}  # the upstream functions, kept to check them again
@@ -78,8 +88,31 @@ def _read(self: Any, nbytes: int | None = None) -> bytes:
     return bytes(memoryview(self)[start:self._idx])
 
 
+async def _read_from_sock(self: Any) -> None:
+    import kafka.errors as errors
+
+    while self._read and not self._closed:
+        await self._net.wait_read(self._sock)
+        received, err = self._sock_recv()
+        if received:  # first: the last answer before a close (a refused login's) must reach the protocol
+            self.last_read = time.monotonic()
+            if self._protocol and self._protocol._sensors:
+                self._protocol._sensors.bytes_received.record(len(received))
+            try:
+                self._protocol.data_received(received)
+            except errors.KafkaProtocolError as exc:
+                return self.abort(error=exc)
+            if err:
+                # The close is read again next time round (a closed socket stays readable and empty): by then
+                # the loop has run the request the answer woke, so the connection fails with the answer's error.
+                continue
+        if err:
+            return self.abort(error=err)
+    return None
+
+
 def apply() -> dict[str, bool]:
-    """Patch both functions; returns {name: applied}. Idempotent. Raises :class:`UnpatchedKafkaError` when the
+    """Patch the three functions; returns {name: applied}. Idempotent. Raises :class:`UnpatchedKafkaError` when the
     installed kafka-python is not the pinned release or a patched function changed, unless the override is set."""
     if _applied:
         return dict(_applied)
@@ -88,7 +121,8 @@ def apply() -> dict[str, bool]:
     from kafka.protocol.frame import KafkaBytes
 
     targets = {"KafkaTCPTransport._sock_recv": (KafkaTCPTransport, "_sock_recv", _sock_recv),
-               "KafkaBytes.read": (KafkaBytes, "read", _read)}
+               "KafkaBytes.read": (KafkaBytes, "read", _read),
+               "KafkaTCPTransport._read_from_sock": (KafkaTCPTransport, "_read_from_sock", _read_from_sock)}
     originals = {name: _originals.get(name, getattr(cls, attr)) for name, (cls, attr, _) in targets.items()}
     changed = [name for name, fn in originals.items() if _source_hash(fn) != _EXPECTED[name]]
     version = getattr(kafka, "__version__", "?")
@@ -108,7 +142,8 @@ def refuse(version: str, changed: list[str]) -> None:
     if changed:
         what += f" (changed upstream: {', '.join(changed)})"
     if os.environ.get(OVERRIDE_ENV) == "1":
-        log.warning("%s; running unpatched (%s=1): correct, but large records are received ~2x more slowly",
+        log.warning("%s; running unpatched (%s=1): large records are received ~2x more slowly, and a refused "
+                    "login may pass for an outage for a while",
                     what, OVERRIDE_ENV)
         return
     raise UnpatchedKafkaError(f"{what}. Install the pinned release (pip install kafka-python=={PINNED}), or set "

@@ -41,6 +41,7 @@ from grpo_stream.run import Child, RunConfig, Supervisor, read_metrics, role_con
 
 log = logging.getLogger("chaos")
 KILLABLE = ("producer", "verifier", "learner", "feeder")
+LEARNER_READY = "learner reads "  # grpo_learner.source logs it once per start, after the checkpoint is restored
 
 
 @dataclass
@@ -118,11 +119,15 @@ class Chaos:
             deadline = started + 60 * self.minutes
             mark = 0
             for advance, event in schedule(self.seed):
-                if not self._wait(lambda m=mark + advance: self._step() >= m, deadline):
+                # A fast learner can train the whole feed before the schedule ends: the events left then land
+                # on the drained pipeline (each still has to be met and recovered from) instead of waiting forever.
+                if not self._wait(lambda m=mark + advance: self._step() >= m or self._drained(), deadline):
                     break
+                if self._step() < mark + advance:
+                    self.result.events.append("  (the feed is trained: this event lands on the drained pipeline)")
                 self._do(event)
                 mark = self._step()
-            self.result.drained = self._wait(self._drained, deadline, settle=3)
+            self.result.drained = self._wait(self._drained, deadline, settle=12)
             self.result.events.append(f"{time.monotonic() - started:5.0f} s, step {self._step()}: "
                                       + ("drained" if self.result.drained else "not drained at the deadline"))
             # A producer scaled away gets SIGTERM and finishes its batch and closes its clients (up to
@@ -157,7 +162,7 @@ class Chaos:
             held = held + 1 if done() else 0
             if held >= settle:
                 return True
-            time.sleep(1.0)
+            time.sleep(0.25)  # short: a learner trains several steps a second here, and events count steps
         log.error("chaos: budget of %.1f min reached", self.minutes)
         return False
 
@@ -238,7 +243,7 @@ class Chaos:
         account for every ``groups`` offset. Its lineage says so, not its consumer group: that commits past the
         groups it has only read (queued for the next step)."""
         feeder = self.sup.child("feeder")
-        if not (feeder.done and feeder.proc is not None and feeder.proc.returncode == 0):
+        if not (feeder.done and feeder.proc is not None and feeder.proc.returncode == 0) or not self._learner_up():
             return False
         admin = make_admin(self.kafka)
         try:
@@ -250,6 +255,13 @@ class Chaos:
             admin.close()
         accounted = len(offset_hits(read_lines(self.cfg.out / "lineage.jsonl")))
         return all(lag and sum(lag.values()) == 0 for lag in lags) and accounted >= end
+
+    def _learner_up(self) -> bool:
+        """Whether the learner started since its last kill -9 has restored its state: until then the lineage
+        still holds the lost incarnation's steps and would read as drained."""
+        log_file = self.cfg.out / "logs" / "learner.log"
+        starts = log_file.read_text(errors="replace").count(LEARNER_READY) if log_file.is_file() else 0
+        return starts > sum(n for name, n in self.result.kills.items() if name.startswith("learner"))
 
     def _stopped_ones_exited(self) -> bool:
         return all(c.proc is None or c.proc.poll() is not None for c in self.sup.children if c.done)

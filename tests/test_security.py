@@ -84,12 +84,14 @@ def test_a_wrong_password_fails_fast_naming_the_listener_and_mechanism(
         kafka_logs_at_critical: None) -> None:
     broker, security = secured
     cfg = login(broker, security, monkeypatch, "not-the-password")
-    for make in (lambda: make_producer(cfg, "learner"), lambda: make_consumer(cfg, "learner", "g", []),
-                 lambda: make_admin(cfg, "learner")):
+    # Three tries of each client: the broker answers a refused login and closes the connection together, and
+    # a client that lost the answer (kafka_patches._read_from_sock) retried it as an outage for 1-30 s.
+    for make in 3 * (lambda: make_producer(cfg, "learner"), lambda: make_consumer(cfg, "learner", "g", []),
+                     lambda: make_admin(cfg, "learner")):
         t0 = time.monotonic()
         with pytest.raises(BrokerLoginError) as info:
             make()
-        assert time.monotonic() - t0 < 20, "a refused login must not be retried like an outage"
+        assert time.monotonic() - t0 < 4, "a refused login must not be retried like an outage"
         message = str(info.value)
         for fragment in (broker.bootstrap, f"listener {security.protocol}", "mechanism SCRAM-SHA-512",
                          "user 'trainer'", f"${ENV}"):

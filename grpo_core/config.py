@@ -284,7 +284,7 @@ def build(cls: type[C], raw: Any, where: str, base: C | None = None) -> C:
     return cls(**kwargs)
 
 
-def _default_of(f: dataclasses.Field, base: Any) -> Any:
+def _default_of(f: dataclasses.Field[Any], base: Any) -> Any:
     if base is not None:
         return getattr(base, f.name)
     if f.default_factory is not dataclasses.MISSING:
@@ -316,7 +316,7 @@ def _coerce(hint: Any, value: Any, where: str, default: Any = None) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return {str(k): _coerce(args[1], v, f"{where}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(typing.cast(type, hint)):  # a class; the cast keeps `hint` from narrowing
         return build(hint, value, f"{where}.", default if isinstance(default, hint) else None)
     return _coerce_scalar(hint, value, where)
 
@@ -356,17 +356,23 @@ def validate_tree(cfg: Any) -> None:
         validate()
 
 
-def explain(cls: type, prefix: str = "", base: Any = None) -> Iterator[str]:
-    """One line per leaf key: dotted name, default and help text (``grpo-stream config explain``)."""
+def explain_rows(cls: type, prefix: str = "", base: Any = None) -> Iterator[tuple[str, str, str]]:
+    """(dotted name, default, help text) per leaf key: what ``config explain`` prints and the configuration
+    reference page (``grpo_stream.config_reference``) tabulates."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         default = _default_of(f, base)
         required = base is None and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if dataclasses.is_dataclass(hints[f.name]):
-            yield from explain(hints[f.name], f"{prefix}{f.name}.", default)
+            yield from explain_rows(hints[f.name], f"{prefix}{f.name}.", default)
             continue
-        shown = "<required>" if required else repr(default)
-        yield f"{prefix}{f.name} = {shown}  # {f.metadata.get('help', '')}"
+        yield f"{prefix}{f.name}", "<required>" if required else repr(default), f.metadata.get("help", "")
+
+
+def explain(cls: type, prefix: str = "", base: Any = None) -> Iterator[str]:
+    """One line per leaf key: dotted name, default and help text (``grpo-stream config explain``)."""
+    for key, shown, text in explain_rows(cls, prefix, base):
+        yield f"{key} = {shown}  # {text}"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from grpo_core.config import ConfigError, KafkaConfig, TopicsConfig, TopicSpec, opt, require
 
@@ -86,22 +86,22 @@ class PipelineContract:
 
     def topic(self, key: TopicKey) -> str:
         """The full name of one topic of the plan, e.g. ``exp7.groups``."""
-        return self.name_prefix + getattr(self.topics, key).name
+        return self.name_prefix + cast(str, getattr(self.topics, key).name)
 
     def group(self, key: GroupKey) -> str:
         """The full name of one consumer group, e.g. ``exp7.learner``."""
-        return self.name_prefix + getattr(self.groups, key)
+        return self.name_prefix + cast(str, getattr(self.groups, key))
 
     def topic_plan(self) -> list[TopicSpec]:
         """Every topic with its full name and broker settings (what ``topics create`` and k8s generate use)."""
         return [dataclasses.replace(spec, name=self.name_prefix + spec.name) for spec in self.topics.all()]
 
     def topic_spec(self, key: TopicKey) -> TopicSpec:
-        return dataclasses.replace(getattr(self.topics, key), name=self.topic(key))
+        return dataclasses.replace(cast(TopicSpec, getattr(self.topics, key)), name=self.topic(key))
 
     def record_limit(self, key: TopicKey, kafka: KafkaConfig) -> int:
         """The largest record a client may send to one topic: the client's limit or the topic's, the smaller."""
-        return min(kafka.max_record_bytes, getattr(self.topics, key).max_message_bytes)
+        return min(kafka.max_record_bytes, cast(int, getattr(self.topics, key).max_message_bytes))
 
     def digest(self) -> str:
         """A short hash of everything in the contract: equal digests mean the roles agree."""

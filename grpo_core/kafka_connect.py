@@ -90,7 +90,7 @@ class BrokerLoginError(ConfigError):
     """The broker refused this client's credentials: a setting to fix, not an outage to wait out."""
 
 
-class BrokerUnreachable(InputError, KafkaTimeoutError):
+class BrokerUnreachable(InputError, KafkaTimeoutError):  # type: ignore[misc]  # kafka-python has no type hints
     """No broker answered a new client within ``kafka.connect_timeout_s``: a wrong address or a broker that is
     down. A KafkaTimeoutError to the code that waits out outages, one line and exit 2 at the CLI."""
 

@@ -22,22 +22,24 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar, cast
 
 from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import OffsetSpec
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
+from kafka.errors import KafkaConnectionError, KafkaError, KafkaTimeoutError
+from kafka.errors import UnknownTopicOrPartitionError as UnknownTopicOrPartitionError
 from kafka.producer.future import FutureRecordMetadata
 from kafka.structs import OffsetAndMetadata
 
 from grpo_core import kafka_patches, wire
 from grpo_core.config import KafkaConfig
-from grpo_core.kafka_connect import BROKER, client_settings, connect, is_outage, with_retry
+from grpo_core.kafka_connect import BROKER, client_settings, connect, is_outage
 from grpo_core.kafka_connect import LOGIN_ERRORS as LOGIN_ERRORS
 from grpo_core.kafka_connect import BrokerLoginError as BrokerLoginError
 from grpo_core.kafka_connect import BrokerUnreachable as BrokerUnreachable
 from grpo_core.kafka_connect import redacted as redacted
+from grpo_core.kafka_connect import with_retry as with_retry
 from grpo_core.retry import backoff_delay as retry_delay
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ Partition = TopicPartition  # (topic, partition)
 Consumer = KafkaConsumer
 Producer = KafkaProducer
 Admin = KafkaAdminClient
-SendFuture = FutureRecordMetadata
+SendFuture: TypeAlias = FutureRecordMetadata
 RebalanceListener = ConsumerRebalanceListener
 BrokerError = KafkaError  # every error the client raises for the broker or the connection
 
@@ -62,7 +64,7 @@ BrokerError = KafkaError  # every error the client raises for the broker or the 
 CLOSE_S = 10.0  # how long closing a producer waits for records still unacknowledged, then drops them
 
 
-class BoundedCloseProducer(KafkaProducer):
+class BoundedCloseProducer(KafkaProducer):  # type: ignore[misc]  # kafka-python has no type hints
     """A producer whose ``close()`` returns within a bound even when no broker answers.
 
     kafka-python's ``close()`` waits forever by default, and with a timeout it raises from its ``flush`` and leaves
@@ -117,7 +119,9 @@ def make_consumer(cfg: KafkaConfig, role: str, group_id: str | None, topics: Ite
     for topic in topics:
         # Subscribe only once the partitions are known: a group leader that assigns before its metadata has a
         # just-created topic hands out nothing, and the group can then sit with an empty assignment.
-        with_retry(lambda t=topic: require_partitions(consumer, t), f"{role}: metadata of {topic}")
+        # (mypy cannot infer a lambda with a default argument: the ignore below)
+        with_retry(lambda t=topic: require_partitions(consumer, t),  # type: ignore[misc]
+                   f"{role}: metadata of {topic}")
     if topics:
         consumer.subscribe(topics, listener=listener)
         # One metadata refresh *after* subscribing, before the first join. kafka-python 3.0 snapshots the
@@ -177,7 +181,8 @@ def poll(consumer: KafkaConsumer, timeout_ms: int,
     by itself on a later poll, so retriable errors wait a little and return nothing (reported to :data:`BROKER`).
     Others still raise."""
     try:
-        polled = consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        polled: dict[TopicPartition, list[ConsumerRecord]] = consumer.poll(timeout_ms=timeout_ms,
+                                                                           max_records=max_records)
     except KafkaError as exc:
         if not exc.retriable:
             raise
@@ -213,7 +218,7 @@ def _refresh_metadata(consumer: KafkaConsumer, topics: list[str]) -> None:
 
 def require_partitions(consumer: KafkaConsumer, topic: str) -> set[int]:
     """The topic's partitions as the consumer's metadata knows them; raises (retryable) if there are none."""
-    found = consumer.partitions_for_topic(topic)
+    found: set[int] | None = consumer.partitions_for_topic(topic)
     if not found:
         raise UnknownTopicOrPartitionError(
             f"topic {topic} has no known partitions (create it: grpo-stream topics create)")
@@ -371,7 +376,7 @@ def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = 
     if not assigned:
         return 0
     try:
-        ends = consumer.end_offsets(assigned)
+        ends: dict[TopicPartition, int] = consumer.end_offsets(assigned)
     except KafkaError as exc:
         if is_outage(exc):
             BROKER.failed("lag", exc)
@@ -380,7 +385,7 @@ def assigned_lag(consumer: KafkaConsumer, positions: Mapping[int, int] | None = 
         return None
     BROKER.succeeded("lag")
     if positions is None:
-        return sum(max(0, end - consumer.position(tp)) for tp, end in ends.items())
+        return sum(max(0, end - cast(int, consumer.position(tp))) for tp, end in ends.items())
     return sum(max(0, end - positions.get(tp.partition, end)) for tp, end in ends.items())
 
 

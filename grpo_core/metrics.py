@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,10 +24,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from grpo_core.config import ConfigError, MetricsConfig
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=MetricWrapperBase)
 
 HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
 Route = Callable[[], tuple[str, bytes]]  # an extra GET path's (content type, body)
@@ -45,7 +47,7 @@ def role_registry() -> CollectorRegistry:
     return registry
 
 
-def init_series(metric: Any, values: Iterable[str | tuple[str, ...]]) -> Any:
+def init_series(metric: M, values: Iterable[str | tuple[str, ...]]) -> M:
     """Create the labelled series of ``metric`` for every known label value (a tuple for several labels), at 0.
     A labelled series only exists after its first use otherwise, and ``rate()``/``increase()`` never count the
     events that created it: a first burst of dead letters would be invisible."""

@@ -54,12 +54,14 @@ class Outage:
     """A dependency every call of the process shares (the broker): one WARNING when calls to it start failing,
     DEBUG for each further failure, one INFO with the outage's length at the first success after it.
 
-    At most one outage is announced per ``warn_every_s``: a broker that flaps while it recovers (its group
-    coordinator still loading) writes no pair of lines per flap; a later failure within the window is announced
-    once the window has passed. Thread-safe: clients fail on several threads at once."""
+    An outage is announced only once it has lasted ``grace_s``: a broker whose group coordinator is still
+    loading when the process starts fails calls for a second or two, which is no news to anyone (those failures
+    stay at DEBUG, and so does the recovery). At most one outage is announced per ``warn_every_s``: a broker
+    that flaps while it recovers writes no pair of lines per flap; a later failure within the window is
+    announced once the window has passed. Thread-safe: clients fail on several threads at once."""
 
-    def __init__(self, name: str, warn_every_s: float = 60.0) -> None:
-        self.name, self.warn_every_s = name, warn_every_s
+    def __init__(self, name: str, warn_every_s: float = 60.0, grace_s: float = 5.0) -> None:
+        self.name, self.warn_every_s, self.grace_s = name, warn_every_s, grace_s
         self._lock = threading.Lock()
         self._since: float | None = None
         self._failures = 0
@@ -78,12 +80,14 @@ class Outage:
             if self._since is None:
                 self._since, self._failures = now, 0
             self._failures += 1
-            announce = not self._announced and now - self._warned_at >= self.warn_every_s
+            down_s = now - self._since
+            announce = (not self._announced and down_s >= self.grace_s
+                        and now - self._warned_at >= self.warn_every_s)
             if announce:
                 self._announced, self._warned_at = True, now
         if announce:
-            log.warning("%s is not answering (%s: %s); retrying, further failures at DEBUG until it answers",
-                        self.name, what, describe(exc))
+            log.warning("%s is not answering (%s: %s; for %.1fs); retrying, further failures at DEBUG until it "
+                        "answers", self.name, what, describe(exc), down_s)
         else:
             log.debug("%s still not answering (%s: %s)", self.name, what, describe(exc))
 
@@ -106,7 +110,8 @@ def describe(exc: BaseException) -> str:
 
 def backoff_delay(attempt: int, backoff_s: float, max_delay_s: float = MAX_DELAY_S) -> float:
     """Delay before retry number ``attempt`` (1-based): ``backoff_s * 2**(attempt-1)``, capped."""
-    return min(backoff_s * 2 ** (attempt - 1), max_delay_s)
+    delay: float = backoff_s * 2 ** (attempt - 1)  # int ** int is Any to mypy (a negative power is a float)
+    return min(delay, max_delay_s)
 
 
 def retry(fn: Callable[[], T], what: str, *, attempts: int, backoff_s: float,

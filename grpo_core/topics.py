@@ -89,7 +89,7 @@ def differences(admin: KafkaAdminClient, spec: TopicSpec) -> list[str]:
     return out
 
 
-def live_configs(admin: KafkaAdminClient, topic: str) -> dict[str, str]:
+def live_configs(admin: KafkaAdminClient, topic: str) -> dict[str, str | None]:
     resource = ConfigResource(ConfigResourceType.TOPIC, topic)
     described = admin.describe_configs([resource], config_filter="all")
     entries = next(iter(next(iter(described.values())).values()))

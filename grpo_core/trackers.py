@@ -19,8 +19,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from grpo_core.config import ConfigError
 
@@ -33,7 +34,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def check_installed(kinds: list[str]) -> None:
+def check_installed(kinds: Sequence[str]) -> None:
     """Raise ConfigError naming the package for a tracker that cannot be used here."""
     for kind in kinds:
         if kind not in PACKAGES:
@@ -77,7 +78,7 @@ def hparams(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class Trackers:
     """The trackers of one process; ``log`` fans a metrics line out to each (none configured: does nothing)."""
 
-    def __init__(self, kinds: list[str], out_dir: Path, run: str, job: str, config: dict[str, Any]) -> None:
+    def __init__(self, kinds: Sequence[str], out_dir: Path, run: str, job: str, config: dict[str, Any]) -> None:
         check_installed(kinds)
         self.sinks: list[Sink] = []
         for kind in dict.fromkeys(kinds):
@@ -102,7 +103,8 @@ class _TensorBoard:
         self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard" / job))
         # In this run's own event file (SummaryWriter.add_hparams would start a run of its own beside it).
         for summary in hparams_summary(params, {}):
-            self.writer.file_writer.add_summary(summary)  # type: ignore[union-attr]
+            # file_writer: made by SummaryWriter(), declared None in its __init__ (the type mypy infers)
+            cast(Any, self.writer.file_writer).add_summary(summary)
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():

@@ -343,7 +343,7 @@ def _to_wire(record: Record) -> dict[str, Any]:
     never writes what decode would reject), then the cross-field invariants on the arrays as packed."""
     out: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
-    for name, spec in _specs(type(record)):
+    for name, spec in _specs(type(record)):  # type: ignore[arg-type]  # mypy: type[Record] unhashable (__hash__ = None)
         value = getattr(record, name)
         if spec.omit_empty and not value:
             continue
@@ -386,7 +386,7 @@ def encode(record: Record) -> bytes:
     body = _to_wire(record)
     body["_t"], body["_v"] = record.TYPE, SCHEMA_VERSION
     try:
-        data = msgpack.packb(body, use_bin_type=True)
+        data: bytes = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise WireError(f"{record.TYPE}: cannot encode: {exc}") from exc
     _require(len(data) <= MAX_RECORD_BYTES, f"{record.TYPE}: {len(data)} bytes > cap {MAX_RECORD_BYTES}")
@@ -432,7 +432,7 @@ def _from_wire(cls: type[R], body: Any, where: str) -> R:
     kwargs: dict[str, Any] = {}
     # Checkers raise short messages; the field path is prefixed here, only on failure (the hot path
     # formats no strings).
-    for name, spec in _specs(cls):
+    for name, spec in _specs(cls):  # type: ignore[arg-type]  # mypy: type[R] unhashable (__hash__ = None)
         if name in body:
             try:
                 kwargs[name] = spec.check(body[name])

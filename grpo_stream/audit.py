@@ -23,7 +23,7 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
@@ -69,7 +69,7 @@ def _ids(records: list[Record], cls: type[wire.PromptTask] | type[wire.ScoredGro
     out = []
     for m in records:
         try:
-            out.append(wire.decode(m.value, cls).group_id)
+            out.append(cast("wire.PromptTask | wire.ScoredGroup", wire.decode(m.value, cls)).group_id)
         except wire.WireError:
             continue  # junk on the topic: its dead letter is counted below
     return out
@@ -165,7 +165,7 @@ def audit_run(kafka: KafkaConfig, contract: PipelineContract, out_dir: Path) -> 
 
 
 def format_audit(a: Audit, processes: dict[str, str] | None = None) -> str:
-    """The reconciliation as a text table (what ``grpo-stream chaos`` prints and the README shows)."""
+    """The reconciliation as a text table (what ``grpo-stream chaos`` prints; docs/concepts.md shows one)."""
     rows: list[tuple[str, Any]] = [
         ("prompts fed (group ids)", a.fed), ("groups produced (distinct)", a.produced),
         ("groups records (incl. re-published)", a.groups_records), ("learner step (checkpoint)", a.learner_step),

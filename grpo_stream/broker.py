@@ -47,7 +47,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Kafka's own start scripts read) names others. C1 only: a pipeline's broker spent nearly half of its CPU
 # compiling (C2 most of it), on cores the learner and the producers need, while its hot path (socket reads,
 # CRC32C, file appends) is native code that C2 does not speed up. Serial collector: G1's concurrent threads
-# cost more than they save on a 512 MB heap. Figures: README, "The local broker's JVM".
+# cost more than they save on a 512 MB heap. Figures: docs/getting-started.md, "The local broker".
 JVM_PERF_ENV = "KAFKA_JVM_PERFORMANCE_OPTS"
 JVM_PERF_OPTS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC")
 # Files whose presence marks a directory as ours, so that fresh=True never wipes an unrelated directory.

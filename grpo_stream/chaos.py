@@ -121,7 +121,7 @@ class Chaos:
             for advance, event in schedule(self.seed):
                 # A fast learner can train the whole feed before the schedule ends: the events left then land
                 # on the drained pipeline (each still has to be met and recovered from) instead of waiting forever.
-                if not self._wait(lambda m=mark + advance: self._step() >= m or self._drained(), deadline):
+                if not self._wait(lambda m=mark + advance: self._step() >= m or self._drained(), deadline):  # type: ignore[misc]
                     break
                 if self._step() < mark + advance:
                     self.result.events.append("  (the feed is trained: this event lands on the drained pipeline)")
@@ -215,7 +215,7 @@ class Chaos:
         producer = make_producer(self.kafka, "chaos")
         try:
             for value in values:
-                producer.send(self.contract.topic(key), key=record_key, value=value).get(timeout=60)
+                producer.send(self.contract.topic(key), key=record_key, value=value).get(timeout=60)  # type: ignore[arg-type]
         finally:
             producer.close()
 
@@ -247,7 +247,7 @@ class Chaos:
             return False
         admin = make_admin(self.kafka)
         try:
-            lags = [consumer_lag(admin, self.contract.group(g), self.contract.topic(t))
+            lags = [consumer_lag(admin, self.contract.group(g), self.contract.topic(t))  # type: ignore[arg-type]
                     for g, t in (("producers", "prompts"), ("verifiers", "completions"))]
             groups = self.contract.topic("groups")
             end = sum(end_offsets(admin, groups, partitions_of(admin, groups)).values())

@@ -77,6 +77,12 @@ def _config(args: argparse.Namespace) -> int:
     from grpo_core.config import explain
     from grpo_stream.roles import config_class
 
+    if args.action == "reference":
+        from grpo_stream import config_reference
+
+        return config_reference.main(args.check)
+    if args.role is None:
+        raise ConfigError("config explain: name a role, e.g. `config explain learner`")
     for line in explain(config_class(args.role)):
         print(line)
     return 0
@@ -238,9 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
         role_parser.add_argument("overrides", nargs="*", help=f"key=value overrides, e.g. {example}")
         role_parser.set_defaults(fn=_role)
 
-    c = sub.add_parser("config", help="explain every config key of a role")
-    c.add_argument("action", choices=["explain"])
-    c.add_argument("role", choices=["pipeline", "topics", "learner", "producer", "feeder", "verifier"])
+    c = sub.add_parser("config", help="explain every config key of a role; write/check docs/configuration.md")
+    c.add_argument("action", choices=["explain", "reference"])
+    c.add_argument("role", nargs="?", choices=["pipeline", "topics", "learner", "producer", "feeder", "verifier"])
+    c.add_argument("--check", action="store_true", help="reference: exit 1 if docs/configuration.md is stale")
     c.set_defaults(fn=_config)
 
     b = sub.add_parser("bench", help="benchmarks that print measured figures")

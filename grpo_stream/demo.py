@@ -50,6 +50,8 @@ class Evaluator:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.prompts, self.answers, self.every_s, self.max_tokens = prompts, answers, every_s, max_tokens
         self.last, self.done_versions = time.monotonic(), {0}
+        self.rewards: list[float]
+        self.reached_at: int | None
         self.until, self.rewards, self.reached_at = until, [], None  # rewards: of published versions, in order
         self.reached_s: float | None = None  # seconds from start_clock() to the evaluation that met the target
         self.clock = time.monotonic()
@@ -214,6 +216,9 @@ def final_table(summary: dict[str, Any]) -> str:
 
 def main(backend: str = "hf", minutes: float = 8.0, seed: int = 0, out: str | None = None,
          until: float | None = DEFAULT_UNTIL) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per evaluation would bury the demo's own lines
     summary = run_demo(backend, minutes, seed, out, until=until)
     print(final_table(summary))
     return int(summary["exit_code"])

@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -32,6 +32,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from grpo_core.fsutil import move_into
 from grpo_producers.datasets import SYNTHETIC_REWARDS, SyntheticConfig, load_synthetic
 from grpo_stream.tiny_model import _check_no_lm_head, _quietly
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 WARM_START_FILE = "warm_start.json"
 WARM_START_FORMAT = 1  # bump when warm_start's training changes, so cached warm starts are redone
@@ -100,7 +103,7 @@ def _format_batch(rows: Sequence[tuple[list[int], list[int]]], eos_id: int) -> d
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _train_format(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[str], targets: list[str],
+def _train_format(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str], targets: list[str],
                   steps: int, seed: int, max_seconds: float | None, answers: WarmAnswers = "random") -> int:
     """AdamW on random-answer batches; returns the steps taken (fewer only if ``max_seconds`` ran out).
 
@@ -187,7 +190,7 @@ def warm_start(model_dir: str | Path, task_family: TaskFamilies = "max", steps: 
     return out
 
 
-def _save(model: PreTrainedModel, tok: AutoTokenizer, src: Path, out: Path, record: dict) -> None:
+def _save(model: PreTrainedModel, tok: PreTrainedTokenizerBase, src: Path, out: Path, record: dict) -> None:
     """Write into a temporary sibling, then move files in with ``warm_start.json`` last (a crash never leaves a
     directory that looks finished)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +211,7 @@ def _save(model: PreTrainedModel, tok: AutoTokenizer, src: Path, out: Path, reco
 # ------------------------------------------------------------------------------------------ evaluation
 
 def _load(model_or_dir: PreTrainedModel | str | Path,
-          tokenizer: AutoTokenizer | None) -> tuple[PreTrainedModel, AutoTokenizer]:
+          tokenizer: PreTrainedTokenizerBase | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if isinstance(model_or_dir, str | Path):
         model = AutoModelForCausalLM.from_pretrained(model_or_dir, dtype=torch.float32)
         return model, tokenizer or AutoTokenizer.from_pretrained(model_or_dir)
@@ -218,7 +221,7 @@ def _load(model_or_dir: PreTrainedModel | str | Path,
 
 
 @torch.inference_mode()
-def greedy_generate(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[str], max_tokens: int = 4,
+def greedy_generate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, prompts: list[str], max_tokens: int = 4,
                     batch_size: int = 256) -> list[list[int]]:
     """Greedy completions (token ids, cut after the first EOS, EOS kept) of ``prompts``.
 
@@ -233,27 +236,28 @@ def greedy_generate(model: PreTrainedModel, tok: AutoTokenizer, prompts: list[st
     for start in range(0, len(prompts), batch_size):
         chunk = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts[start:start + batch_size]]
         ids, mask = left_pad(chunk, eos_id, model.device)
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                             eos_token_id=eos_id, pad_token_id=eos_id, top_k=None, top_p=None, temperature=None)
+        gen = cast(Any, model).generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                        eos_token_id=eos_id, pad_token_id=eos_id, top_k=None, top_p=None,
+                                        temperature=None)
         for row in gen[:, ids.shape[1]:].tolist():
             out.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
     model.train(was_training)
     return out
 
 
-def completion_answer(tok: AutoTokenizer, token_ids: Sequence[int]) -> str:
+def completion_answer(tok: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
     """The answer a completion gives: its text before the first EOS, stripped (the exact-match reward's view)."""
     eos_id = int(tok.eos_token_id)
     ids = list(token_ids)
     if eos_id in ids:
         ids = ids[:ids.index(eos_id)]
-    return tok.decode(ids, skip_special_tokens=True).strip()
+    return cast(str, tok.decode(ids, skip_special_tokens=True)).strip()
 
 
-def is_digit_then_eos(tok: AutoTokenizer, token_ids: Sequence[int]) -> bool:
+def is_digit_then_eos(tok: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> bool:
     """Whether a completion is exactly the warm start's format: one digit token, then EOS."""
     ids = list(token_ids)
-    return len(ids) == 2 and ids[1] == tok.eos_token_id and tok.decode(ids[:1]).isdigit()
+    return len(ids) == 2 and ids[1] == tok.eos_token_id and cast(str, tok.decode(ids[:1])).isdigit()
 
 
 def accuracy(predicted: Sequence[str], answers: Sequence[str]) -> float:
@@ -266,7 +270,7 @@ def accuracy(predicted: Sequence[str], answers: Sequence[str]) -> float:
 
 
 def evaluate(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], answers: list[str],
-             max_tokens: int = 4, tokenizer: AutoTokenizer | None = None, reward: str = "exact") -> float:
+             max_tokens: int = 4, tokenizer: PreTrainedTokenizerBase | None = None, reward: str = "exact") -> float:
     """Held-out accuracy: greedy completion (text before EOS, stripped) == answer, as a fraction of prompts;
     ``reward="positions"``: the mean partial credit of the ``positions`` reward instead (multi-token answers).
 
@@ -286,7 +290,7 @@ def evaluate(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], ans
 @torch.inference_mode()
 def sampled_pass_at_1(model_or_dir: PreTrainedModel | str | Path, prompts: list[str], answers: list[str], k: int,
                       temperature: float = 1.0, max_tokens: int = 4, seed: int = 0,
-                      tokenizer: AutoTokenizer | None = None) -> float:
+                      tokenizer: PreTrainedTokenizerBase | None = None) -> float:
     """Pass@1 estimated from ``k`` samples per prompt at ``temperature`` (the paper: 50 samples): the mean, over
     prompts and samples, of exact match. Seeded, so the same weights give the same estimate."""
     from grpo_producers.backends.hf import left_pad
@@ -300,9 +304,9 @@ def sampled_pass_at_1(model_or_dir: PreTrainedModel | str | Path, prompts: list[
     for start in range(0, len(prompts), 64):
         chunk = [tok(p, add_special_tokens=True)["input_ids"] for p in prompts[start:start + 64]]
         ids, mask = left_pad(chunk, eos_id, model.device)
-        gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                             top_k=None, top_p=None, num_return_sequences=k, max_new_tokens=max_tokens,
-                             eos_token_id=eos_id, pad_token_id=eos_id)
+        gen = cast(Any, model).generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                                        top_k=None, top_p=None, num_return_sequences=k, max_new_tokens=max_tokens,
+                                        eos_token_id=eos_id, pad_token_id=eos_id)
         said = [completion_answer(tok, row) for row in gen[:, ids.shape[1]:].tolist()]
         truth = [a for a in answers[start:start + 64] for _ in range(k)]
         right += sum(s.strip() == a.strip() for s, a in zip(said, truth, strict=True))

@@ -23,13 +23,14 @@ import collections
 import contextlib
 import json
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig, load_config
+from grpo_core.contract import TopicKey
 from grpo_core.jsonl import read_lines
 from grpo_core.kafka_io import Record, read_topic
 from grpo_learner.advantages import group_advantages
@@ -71,7 +72,7 @@ class RunLog:
     incarnations: Incarnations = field(default_factory=Incarnations)
 
     @classmethod
-    def read(cls, run_dir: Path, topics: tuple[str, ...] = ("groups", "completions", "prompts", "dlq")) -> RunLog:
+    def read(cls, run_dir: Path, topics: tuple[TopicKey, ...] = ("groups", "completions", "prompts", "dlq")) -> RunLog:
         learner = load_config(LearnerConfig, str(run_dir / "configs" / "learner.yaml"), [])
         log = cls(learner, list(read_lines(run_dir / "lineage.jsonl")))
         log.incarnations = read_incarnations(run_dir, log.lineage)
@@ -279,11 +280,12 @@ def main(run_dir: str, step: int | None = None, group: str | None = None, as_jso
     if not (root / "lineage.jsonl").exists() or not (root / "configs" / "learner.yaml").exists():
         raise SystemExit(f"inspect: {root} is not a run directory (no lineage.jsonl and configs/learner.yaml)")
     log = RunLog.read(root)
+    text: Callable[[dict[str, Any]], str]
     if step is not None:
         view, text = step_view(log, step), format_step
     elif group is not None:
         view, text = group_trace(log, group), format_trace
     else:
         view, text = summary(log), format_summary
-    print(json.dumps(view, indent=2, default=str) if as_json else text(view))  # type: ignore[operator]
+    print(json.dumps(view, indent=2, default=str) if as_json else text(view))
     return 0

@@ -19,7 +19,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -146,19 +146,19 @@ def _torchrun_problems(root: Path, doc: dict[str, Any], docs: list[dict[str, Any
     from grpo_stream.roles import config_class
 
     pod = doc["spec"]["template"]["spec"]
-    c = next((c for c in pod.get("containers", []) if c.get("name") == "learner"), {})
+    c: dict[str, Any] = next((c for c in pod.get("containers", []) if c.get("name") == "learner"), {})
     args = [str(a) for a in c.get("args", [])]
     if c.get("command") != ["torchrun"] or "--no-python" not in args:
         return ["the learner container must run `torchrun [options] --no-python grpo-stream learner ...`"]
     cut = args.index("--no-python")
-    opts = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in args[:cut])
+    opts = dict(cast(tuple[str, str], a[2:].split("=", 1)) if "=" in a else (a[2:], "") for a in args[:cut])
     cli = args[cut + 1:]
     problems = []
     if cli[:2] != ["grpo-stream", "learner"] or PIPELINE_ARG not in cli:
         problems.append(f"torchrun must start `grpo-stream learner --config=... {PIPELINE_ARG}`, got {cli[:4]}")
     config = next((a.split("=", 1)[1] for a in cli if a.startswith("--config=")), "")
     try:
-        cfg = load_config(config_class("learner"), root / CONFIGS_SRC / Path(config).name,
+        cfg: Any = load_config(config_class("learner"), root / CONFIGS_SRC / Path(config).name,
                           [a for a in cli[2:] if not a.startswith("--")], pipeline_file=root / TOPICS_CONFIG)
         if cfg.parallel.strategy == "none":
             problems.append("the learner runs under torchrun: set parallel.strategy=ddp or fsdp2")

@@ -123,7 +123,7 @@ class RunConfig:
         return dataclasses.replace(self.pipeline, run=self.name)
 
 
-def role_configs(cfg: RunConfig, bootstrap: str, paths: bool = False) -> dict[str, dict[str, Any]]:
+def role_configs(cfg: RunConfig, bootstrap: str | None, paths: bool = False) -> dict[str, dict[str, Any]]:
     """Each role's complete config (shared kafka/topics merged in), validated with the role's own schema;
     ``paths``: also what each names on this machine (model directories: grpo_core.config.check_paths)."""
     from grpo_learner.config import LearnerConfig
@@ -143,7 +143,7 @@ def role_configs(cfg: RunConfig, bootstrap: str, paths: bool = False) -> dict[st
     for role, (cls, section) in sections.items():
         merged = _deep_merge(shared, section)
         try:
-            built = build(cls, merged, "")
+            built: Any = build(cls, merged, "")
             validate_tree(built)
             if paths:
                 check_paths(built)
@@ -181,7 +181,7 @@ class Child:
     name: str
     cmd: list[str]
     log_file: IO[str]
-    sink: Callable[[str, str], None]
+    sink: Callable[[str, str], object]
     proc: subprocess.Popen[str] | None = None
     restarts: int = 0  # every restart of the run
     crashes: int = 0  # crashes in a row, reset by a stable period (RunConfig.restart_reset_s): the back-off's count
@@ -235,7 +235,7 @@ class Child:
 @dataclass
 class Supervisor:
     cfg: RunConfig
-    sink: Callable[[str, str], None] = lambda name, line: sys.stdout.write(f"[{name}] {line}")
+    sink: Callable[[str, str], object] = lambda name, line: sys.stdout.write(f"[{name}] {line}")
     on_crash: Callable[[Child, int], None] = lambda child, rc: None  # run_metrics counts error exits
     children: list[Child] = field(default_factory=list)
     stopping: bool = False

@@ -11,6 +11,7 @@ the cores and no more.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 COMPUTE_ROLES = ("producer", "learner")  # the roles that run torch; the verifier and the feeder get 1 thread
@@ -42,7 +43,7 @@ def child_threads(cfg: RunConfig, machine: set[int] | None = None) -> dict[str, 
     pinned = {c for cpus in cfg.cpus.values() for c in cpus}
     free = (machine - pinned) or machine
     unpinned = sum(processes(cfg, r) for r in COMPUTE_ROLES if r not in cfg.cpus)
-    out = {}
+    out: dict[str, int] = {}
     for role in ("feeder", "producer", "verifier", "learner"):
         if role in cfg.threads:
             out[role] = cfg.threads[role]
@@ -55,7 +56,7 @@ def child_threads(cfg: RunConfig, machine: set[int] | None = None) -> dict[str, 
     return out
 
 
-def child_env(cfg: RunConfig, role: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(cfg: RunConfig, role: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment variables a child of ``role`` starts with on top of the supervisor's: its thread count,
     unless the supervisor's own environment already sets one and ``cfg.threads`` does not name the role (an
     operator's explicit OMP_NUM_THREADS is kept)."""

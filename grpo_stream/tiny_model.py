@@ -134,7 +134,7 @@ def make_config(params: dict[str, Any], vocab_size: int, eos_id: int) -> Qwen2Co
     """The Qwen2 config for resolved ``params``; the vocab is padded up to a multiple of 64 (or to the preset's
     ``vocab`` rows, when it names more)."""
     padded_vocab = max(-(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE, params.get("vocab", 0))
-    return Qwen2Config(
+    return Qwen2Config(  # type: ignore[call-arg]  # head_dim: not a field, taken by __post_init__(**kwargs)
         vocab_size=padded_vocab, hidden_size=params["hidden"], num_hidden_layers=params["layers"],
         num_attention_heads=params["heads"], num_key_value_heads=params["kv_heads"],
         head_dim=params["hidden"] // params["heads"], intermediate_size=params["intermediate"],

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ class Checkpoint:
         return str(self.meta.get("layout", "classic"))
 
     def trainer_state(self) -> dict[str, Any]:
-        return torch.load(self.path / "trainer.pt", map_location="cpu", weights_only=False)
+        return cast(dict[str, Any], torch.load(self.path / "trainer.pt", map_location="cpu", weights_only=False))
 
 
 def rng_state() -> dict[str, Any]:

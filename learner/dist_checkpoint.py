@@ -110,11 +110,11 @@ def load(path: Path, trainer: Trainer, env: Env) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path / "dcp")  # DCP reshards: another world size loads too
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    saved = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    saved: dict[str, Any] = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
     trainer.load_state(saved["trainer"])
     rng = path / "rng" / f"rank-{env.rank}.pt"
     if rng.exists():

@@ -17,7 +17,7 @@ all logits. Pass the unwrapped HF model (the path calls ``model.base_model`` and
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -130,7 +130,7 @@ def _hidden_and_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
     kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask,
                               "position_ids": position_ids_for(attention_mask), "use_cache": False}
     config = getattr(model, "config", None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, "base_model", None)
     transformed = any(getattr(config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS)
     if head is None or base is None or base is model or transformed:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -79,7 +79,10 @@ class _Surrogate(NamedTuple):
     weight: Tensor | None  # the variant's own detached behaviour-correction weight, if any
 
 
-def _clipped_term(ratio: Tensor, low: Tensor | float, high: Tensor | float, adv: Tensor) -> Tensor:
+Bound = TypeVar("Bound", Tensor, float)  # both clip bounds tensors, or both numbers (torch.clamp's two forms)
+
+
+def _clipped_term(ratio: Tensor, low: Bound, high: Bound, adv: Tensor) -> Tensor:
     """The PPO surrogate min(r A, clip(r, low, high) A) (Schulman et al., arXiv 1707.06347, eq. 7)."""
     return torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
 
@@ -328,6 +331,7 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> LossOutputs:
     if cfg.beta > 0.0:
         assert inputs.ref_logprobs is not None  # _prepare raised otherwise
         ref = inputs.ref_logprobs.detach().to(p.logp.dtype)
-        kl = aggregate(k3(p.logp, ref, p.mask), p.mask, cfg.max_len_norm)
+        # None only for the aggregations that ignore it (seq_mean_token_sum_norm raised above)
+        kl = aggregate(k3(p.logp, ref, p.mask), p.mask, cast(int, cfg.max_len_norm))
     loss = -objective + cfg.beta * kl
     return LossOutputs(loss=loss, metrics=_metrics(p, s, kl, is_w, mask_in))

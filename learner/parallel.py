@@ -33,7 +33,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,10 @@ from grpo_core.config import ConfigError
 from grpo_learner.batching import Batch, microbatches
 from grpo_learner.config import ParallelConfig, Strategy
 from grpo_learner.logprobs import completion_logprobs, completion_logprobs_with_entropy
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,7 @@ def token_balanced_split(lengths: Sequence[int], world: int) -> list[list[int]]:
     """Indices of ``lengths`` per rank, longest first to the rank with the fewest tokens so far (ties: the lower
     rank); each rank's indices in ascending order. Any rank's total exceeds any other's by at most the longest
     single length: a rank only ever receives an item while it holds the fewest tokens."""
+    parts: list[list[int]]
     loads, parts = [0] * world, [[] for _ in range(world)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world), key=lambda r: (loads[r], r))
@@ -163,7 +168,7 @@ def scatter(shards: list[Shard] | None, env: Env) -> Shard:
     """Rank 0 sends each rank its shard (``shards`` is None on the others)."""
     out: list[Any] = [None]
     dist.scatter_object_list(out, shards if env.leader else None, src=0)
-    return out[0]
+    return cast(Shard, out[0])
 
 
 def sum_over_ranks(values: dict[str, float], env: Env | None) -> dict[str, float]:
@@ -223,9 +228,9 @@ def wrap(model: nn.Module, par: ParallelConfig, env: Env | None) -> nn.Module:
 def grad_sync(policy: nn.Module, last: bool) -> contextlib.AbstractContextManager[None]:
     """Reduce gradients only in the last backward of a step (the earlier ones accumulate locally)."""
     if hasattr(policy, "no_sync"):  # DDP
-        return contextlib.nullcontext() if last else policy.no_sync()
+        return contextlib.nullcontext() if last else cast("DistributedDataParallel", policy).no_sync()
     if hasattr(policy, "set_requires_gradient_sync"):  # FSDP2
-        policy.set_requires_gradient_sync(last)
+        cast("FSDPModule", policy).set_requires_gradient_sync(last)
     return contextlib.nullcontext()
 
 
@@ -248,7 +253,8 @@ def full_state_dict(model: nn.Module, env: Env | None, *, leader_only: bool) -> 
         return model.state_dict() if (env is None or env.leader or not leader_only) else {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=leader_only))
+    return cast(dict[str, Tensor],  # full_state_dict: plain tensors
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=leader_only)))
 
 
 def total_norm(norm: Tensor) -> float:

@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from grpo_core.weights import Payload
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -63,14 +67,15 @@ def tensors_payload(tensors: dict[str, torch.Tensor]) -> Payload:
         yield head
         for name in sorted(tensors):
             t = tensors[name].contiguous().cpu()  # a no-op for contiguous CPU tensors
-            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            # numpy types ndarray as a Buffer on Python 3.12+ only (the ignore below)
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
     return Payload(len(head) + offset, blocks)
 
 
 def config_payload(model: torch.nn.Module) -> Payload:
     """``config.json`` as ``save_pretrained`` writes it."""
-    return Payload.of_bytes(model.config.to_json_string(use_diff=True).encode())  # type: ignore[union-attr]
+    return Payload.of_bytes(cast("PretrainedConfig", model.config).to_json_string(use_diff=True).encode())
 
 
 def metadata_payloads(model: torch.nn.Module) -> dict[str, Payload]:

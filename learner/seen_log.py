@@ -59,7 +59,7 @@ class SeenLog:
         if generation is None or not path.is_file():
             raise SeenLogError(f"{path}: the checkpoint's dedup log is missing; it holds the ids of trained groups "
                                "and is only written by the learner (restore the file, or use a new out_dir)")
-        ids = []
+        ids: list[str] = []
         with path.open("rb") as f:
             for _ in range(count):
                 line = f.readline()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -199,7 +200,8 @@ class Learner:
                 self._account_drops(pick)
                 continue
             self._tell(Command.TRAIN)
-            stats = self.trainer.train_step([i.group for i in pick.trained])
+            # A trained item has its group (GroupSource._take trains only items without a reason to drop).
+            stats = self.trainer.train_step(cast(list[wire.ScoredGroup], [i.group for i in pick.trained]))
             stats.timings["wait"] = pick.wait_s
             self._after_step(pick, stats)
         self.saver.drain()
@@ -232,8 +234,9 @@ class Learner:
             stats.timings["publish"] = self.publish() or 0.0
         self.metrics.observe_step(
             self.step, stats.metrics, stats.timings,
-            staleness=[staleness(trained_at, i.group.policy_version) for i in pick.trained],
-            spans=[i.group.newest_version - i.group.policy_version for i in pick.trained],
+            staleness=[staleness(trained_at, cast(wire.ScoredGroup, i.group).policy_version) for i in pick.trained],
+            spans=[cast(wire.ScoredGroup, i.group).newest_version - cast(wire.ScoredGroup, i.group).policy_version
+                   for i in pick.trained],
             dropped=[i.reason for i in pick.dropped], tokens=stats.tokens, skipped=stats.skipped_updates,
             lag=self._lag())
         log.info("step %d: reward %.3f loss %.4f kl %.4f groups %d dropped %d wait %.2fs", self.step,
@@ -353,7 +356,7 @@ def main(config: str | None, overrides: list[str], pipeline: str | None = None) 
     return code
 
 
-def _yaml(data: dict) -> str:
+def _yaml(data: dict[str, Any]) -> str:
     import yaml
 
     return yaml.safe_dump(data, sort_keys=False)

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from grpo_core import wire
 from grpo_core.kafka_io import Consumer, DeadLetters, Partition, commit_processed, poll, with_retry
@@ -76,7 +77,7 @@ class GroupSource:
     def start(self, offsets: dict[int, int] | None, start_from: str) -> None:
         """Assign every partition and seek to the checkpoint's offsets (or the start policy without one)."""
         def partitions() -> set[int]:
-            found = self.consumer.partitions_for_topic(self.topic)
+            found: set[int] | None = self.consumer.partitions_for_topic(self.topic)
             if not found:
                 raise TimeoutError(f"topic {self.topic} has no partitions (create it: grpo-stream topics create)")
             return found
@@ -100,7 +101,9 @@ class GroupSource:
         """THE operator rule, said where it applies: the learner reads from its checkpoint, never from its consumer
         group's committed offsets (exactly once needs offsets and model state from the same moment), so a reset
         of the group with Kafka's tools changes nothing here. Skipping records is deliberate: ``skip_to``."""
-        committed = {tp.partition: with_retry(lambda t=tp: self.consumer.committed(t), "learner: committed")
+        # (mypy cannot infer a lambda with a default argument: the ignore below)
+        committed = {tp.partition: with_retry(lambda t=tp: self.consumer.committed(t),  # type: ignore[misc]
+                                              "learner: committed")
                      for tp in tps}
         differ = {p: o for p, o in committed.items() if o is not None and o != self.position[p]}
         if differ:
@@ -227,9 +230,11 @@ class GroupSource:
         seen_now: set[str] = set()
         n = 0
         for item in self.queue:
-            if not self._drop_reason(item, step) and item.group.group_id not in seen_now:
-                seen_now.add(item.group.group_id)
-                n += 1
+            if not self._drop_reason(item, step):
+                assert item.group is not None  # an item without a group always has a reason to drop
+                if item.group.group_id not in seen_now:
+                    seen_now.add(item.group.group_id)
+                    n += 1
         return n
 
     def _take(self, step: int, size: int) -> Pick:
@@ -240,6 +245,7 @@ class GroupSource:
             if item.reason:
                 pick.dropped.append(item)
             else:
+                assert item.group is not None  # an item without a group always has a reason to drop
                 self._remember(item.group.group_id)
                 pick.trained.append(item)
             self.position[item.partition] = item.offset + 1
@@ -253,9 +259,9 @@ class GroupSource:
             self.seen.popitem(last=False)
 
 
-def lineage_entries(pick: Pick, step: int) -> tuple[list[dict], list[dict]]:
+def lineage_entries(pick: Pick, step: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The lineage view of a pick (``step`` = the learner step the batch was trained at)."""
-    def entry(item: Item) -> dict:
+    def entry(item: Item) -> dict[str, Any]:
         g = item.group
         base = {"partition": item.partition, "offset": item.offset}
         if g is None:

@@ -17,6 +17,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ def load_model(cfg: ModelConfig, path: str | Path | None = None, device: torch.d
                                                  trust_remote_code=cfg.trust_remote_code)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    return model.to(device or cfg.device)
+    return cast(torch.nn.Module, model).to(device or cfg.device)  # typed: transformers wraps its .to untyped
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Trainer:
         # Groups whose G rewards are all equal teach nothing (zero advantages): a policy that has collapsed onto
         # one answer per prompt shows here before its reward stops rising.
         stats.metrics["zero_variance_fraction"] = float(flat.float().mean()) if groups else 0.0
-        stats.metrics["lr"] = self.scheduler.get_last_lr()[0]
+        stats.metrics["lr"] = cast(float, self.scheduler.get_last_lr()[0])  # a float lr (the config's) stays one
         stats.metrics.update(cpu_shares(clock, cpu_clock(), torch.get_num_threads()))
         return stats
 
@@ -232,7 +233,7 @@ class Trainer:
         max_norm = self.cfg.optim.max_grad_norm if self.cfg.optim.max_grad_norm > 0 else float("inf")
         return parallel.total_norm(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def state(self, optimizer: bool = True) -> dict:
+    def state(self, optimizer: bool = True) -> dict[str, Any]:
         """Optimizer (unless a sharded checkpoint holds it), scheduler and reference model."""
         state = {"scheduler": self.scheduler.state_dict()}
         if optimizer:
@@ -241,7 +242,7 @@ class Trainer:
             state["ref_model"] = self.ref_model.state_dict()
         return state
 
-    def load_state(self, state: dict) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

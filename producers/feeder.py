@@ -286,7 +286,9 @@ class Feeder:
         while not self.stopping:
             # Retried: a young cluster answers CoordinatorNotAvailable until its offsets topic exists.
             group = self.cfg.pipeline.group("producers")
-            lag = with_retry(lambda g=group: consumer_lag(self.admin, g, self.topic), f"feeder: lag of {group}")
+            # (mypy cannot infer a lambda with a default argument: the ignore below)
+            lag = with_retry(lambda g=group: consumer_lag(self.admin, g, self.topic),  # type: ignore[misc]
+                             f"feeder: lag of {group}")
             ahead = sum(lag.values())
             self.metrics.ahead.set(ahead)
             if ahead < self.cfg.max_ahead:

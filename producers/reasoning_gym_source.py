@@ -38,7 +38,7 @@ import json
 import string
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from grpo_core.config import ConfigError, opt, require
 from grpo_producers.datasets import BadItemFn, DatasetItem
@@ -215,7 +215,7 @@ def system_text(system: str) -> str:
     convention its score_answer functions are written for), else ``system`` itself."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    return SYSTEM_PROMPTS.get(system, system).strip()
+    return cast(str, SYSTEM_PROMPTS.get(system, system)).strip()
 
 
 def _item(cfg: ReasoningGymConfig, entry: dict[str, Any], index: int, name: str, dataset: str,

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from transformers import AutoTokenizer
 
@@ -55,6 +55,19 @@ from grpo_producers.continuous import ContinuousLoop
 from grpo_producers.metrics import ProducerMetrics
 
 log = logging.getLogger("producer")
+
+
+def prompt_ids(tokenizer: Any, prompt: str, chat_template: bool) -> list[int]:
+    """The token ids a prompt is generated from: as the user turn of the tokenizer's chat template (with the
+    assistant's generation prompt) when ``chat_template`` is set and the tokenizer has one, else the plain text
+    with the tokenizer's special tokens. ``return_dict=True`` whatever the transformers release: 5 returns a
+    BatchEncoding by default and 4 a list, and only the dict's ``input_ids`` are the same in both."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+    else:
+        encoded = tokenizer(prompt, add_special_tokens=True)
+    return [int(t) for t in encoded["input_ids"]]
 
 
 @dataclass
@@ -219,11 +232,8 @@ class Producer:
             ids = [int(t) for t in task.prompt_token_ids]
         elif not task.prompt.strip():
             return [], "empty_prompt"
-        elif self.cfg.apply_chat_template and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
         else:
-            ids = self.tokenizer(task.prompt, add_special_tokens=True)["input_ids"]
+            ids = prompt_ids(self.tokenizer, task.prompt, self.cfg.apply_chat_template)
         budget = self.backend.max_context() - (self.sampling.max_tokens or 0)
         if len(ids) > budget:
             return [], f"prompt_too_long: {len(ids)} tokens > {budget} (context - max_tokens)"
@@ -262,7 +272,7 @@ class Producer:
     def send(self, groups: list[tuple[Job, list[Sample]]], version: int, gen_s: float) -> Sent:
         """Send every completion of ``groups`` without waiting: they count as published once :meth:`confirm`
         has seen every ack (the continuous loop goes on generating meanwhile)."""
-        futures = []
+        futures: list[tuple[SendFuture, Callable[[], SendFuture]]] = []
         attempt = uuid.uuid4().hex[:12]
         for job, group in groups:
             for index, sample in enumerate(group):
@@ -304,7 +314,8 @@ class Producer:
         return wire.Completion(
             group_id=t.group_id, index=index, group_size=self.cfg.pipeline.group_size, prompt_id=t.prompt_id,
             task=t.task,
-            prompt_token_ids=job.prompt_ids, completion_token_ids=sample.token_ids,
+            prompt_token_ids=job.prompt_ids,  # type: ignore[arg-type]  # a list: encode packs it as the array
+            completion_token_ids=sample.token_ids,
             behaviour_logprobs=sample.logprobs, policy_version=spans[0][0], producer_id=self.id,
             later_versions=[v for v, _ in spans[1:]], later_starts=[start for _, start in spans[1:]],
             finish_reason=sample.finish_reason, prompt=t.prompt, completion=sample.text, epoch=t.epoch,

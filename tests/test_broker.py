@@ -158,10 +158,12 @@ def _jvm_threads(pid: int) -> set[str]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_the_broker_runs_without_the_c2_compiler_unless_told_to(
         broker: LocalBroker, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiling took nearly half of a pipeline broker's CPU, C2 most of it (README, "The local broker's JVM"): the
-    broker's JVM has no C2 compiler thread and no G1 threads; $KAFKA_JVM_PERFORMANCE_OPTS brings them back."""
+    """Compiling took nearly half of a pipeline broker's CPU, C2 most of it (docs/getting-started.md, "The local
+    broker"): the broker's JVM has no C2 compiler thread and no G1 threads; $KAFKA_JVM_PERFORMANCE_OPTS brings them
+    back."""
     monkeypatch.delenv(JVM_PERF_ENV, raising=False)
     threads = _jvm_threads(broker.up(fresh=True)["pid"])
     assert any(t.startswith("C1 Compiler") for t in threads), sorted(threads)
@@ -279,6 +281,7 @@ def _read_back(bootstrap: str) -> tuple[set[str], list[bytes], int | None]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_restart_keeps_data_and_fresh_wipes_it(broker: LocalBroker) -> None:
     first = broker.up()
     _produce_and_commit(broker.bootstrap, 10)

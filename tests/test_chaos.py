@@ -12,7 +12,7 @@ from grpo_stream.chaos import KILLABLE, Chaos, chaos_config, schedule
 from grpo_stream.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
-REPLAY_LOSS_TOL = 1e-4  # measured: see the README's replay paragraph
+REPLAY_LOSS_TOL = 1e-4  # measured: see docs/getting-started.md, "Replaying a run"
 
 
 def test_the_schedule_is_seeded_and_complete() -> None:

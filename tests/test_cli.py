@@ -74,6 +74,11 @@ def test_config_explain(role: str, key: str) -> None:
     assert key in run("config", "explain", role).stdout
 
 
+def test_config_explain_without_a_role_is_one_line() -> None:
+    proc = run("config", "explain", check=False)
+    assert proc.returncode == 2 and "name a role" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_kafka_operator_tools_reset_a_consumer_group(kafka_bootstrap: str, new_topic: Callable,
                                                      unique: Callable) -> None:
     """Kafka's own consumer-group tool runs from the fetched jars: an operator can see and reset a group."""

@@ -81,6 +81,7 @@ def test_completion_parsing(warm: tuple) -> None:
         dm.accuracy(["1"], ["1", "2"])
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_the_shuffled_warm_start_teaches_length_and_digits_not_their_order(dirs: tuple[Path, Path],
                                                                           tmp_path: Path) -> None:
     """``copy`` (multi-token answers). Measured (seed 0, 300 steps): 99% of held-out greedy answers are all

@@ -39,6 +39,7 @@ sys.meta_path.insert(0, Absent)
 """
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_the_smoke_mode_prints_every_field_and_passes_its_checks(tmp_path: Path) -> None:
     (tmp_path / "blocker").mkdir()
     (tmp_path / "blocker" / "sitecustomize.py").write_text(BLOCKER)

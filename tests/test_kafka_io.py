@@ -127,6 +127,7 @@ def _create_topic(bootstrap: str, name: str) -> None:
     admin.close()
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_broker_restart_keeps_data_and_committed_offsets(tmp_path: Path) -> None:
     port, ctl = free_port(), free_port()
     broker = LocalBroker(data_dir=tmp_path / "kafka", port=port, controller_port=ctl)
@@ -242,6 +243,7 @@ class _CountAssignments(ConsumerRebalanceListener):
         self.assigned.append(sorted(tp.partition for tp in assigned))
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_a_lone_member_joins_once_and_then_consumes(kafka_cfg: KafkaConfig, new_topic: Callable,
                                                      unique: Callable) -> None:
     """A second, metadata-triggered rejoin right after the first one is what wedged a verifier: kafka-python 3.0
@@ -359,6 +361,7 @@ def test_acked_waits_on_a_pending_send_and_resends_a_failed_one(monkeypatch: pyt
         kafka_io.acked(Future([MessageSizeTooLargeError()]), lambda: Future(["x"]), "t")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_closing_a_producer_returns_through_a_broker_that_is_down(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A role stopping during an outage must not hang in its shutdown: kafka-python's close() waits forever for
@@ -402,7 +405,7 @@ def test_an_outage_is_one_warning_and_one_info_however_many_calls_fail(caplog: p
     from grpo_core.retry import Outage
 
     caplog.set_level(logging.DEBUG, logger="grpo_core.retry")
-    outage = Outage("the broker at b:9092", warn_every_s=60.0)
+    outage = Outage("the broker at b:9092", warn_every_s=60.0, grace_s=0.0)
     for i in range(50):
         outage.failed(f"call {i}", KafkaConnectionError("111 ECONNREFUSED") if i % 2 else NodeNotReadyError(0))
     assert outage.down_since is not None
@@ -425,6 +428,28 @@ def test_an_outage_is_one_warning_and_one_info_however_many_calls_fail(caplog: p
     assert [r.levelname for r in caplog.records if r.levelno > logging.DEBUG] == ["WARNING"]
 
 
+def test_a_failure_shorter_than_the_grace_is_not_announced(caplog: pytest.LogCaptureFixture) -> None:
+    """A normal start: the broker's group coordinator is still loading for a second or two (FindCoordinator
+    fails). That is at DEBUG, its end too; only an outage that lasts ``grace_s`` is a WARNING, saying how long."""
+    from kafka.errors import CoordinatorNotAvailableError
+
+    from grpo_core.retry import Outage
+
+    caplog.set_level(logging.DEBUG, logger="grpo_core.retry")
+    outage = Outage("the broker", grace_s=0.3)
+    outage.failed("lag of demo.producers", CoordinatorNotAvailableError("loading"))
+    outage.failed("lag of demo.producers", CoordinatorNotAvailableError("loading"))
+    outage.succeeded("lag of demo.producers")
+    assert [r for r in caplog.records if r.levelno > logging.DEBUG] == []
+    outage.failed("poll", CoordinatorNotAvailableError("loading"))
+    time.sleep(0.35)
+    outage.failed("poll", CoordinatorNotAvailableError("loading"))
+    outage.succeeded("poll")
+    loud = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > logging.DEBUG]
+    assert [level for level, _ in loud] == ["WARNING", "INFO"], loud
+    assert re.search(r"not answering \(poll: .*CoordinatorNotAvailableError.*; for 0\.[3-9]s\)", loud[0][1]), loud
+
+
 def test_a_broker_calls_retries_through_an_outage_are_the_outages_two_lines(caplog: pytest.LogCaptureFixture) -> None:
     """with_retry (connect, metadata, offsets): an outage goes to the process's one tracker; any other failure (a
     topic not created yet) is the call's own, a WARNING per retry as for every retried I/O call."""
@@ -444,14 +469,14 @@ def test_a_broker_calls_retries_through_an_outage_are_the_outages_two_lines(capl
         return call
 
     caplog.set_level(logging.DEBUG, logger="grpo_core.retry")
-    original, kafka_connect.BROKER = kafka_connect.BROKER, Outage("the broker")
+    original, kafka_connect.BROKER = kafka_connect.BROKER, Outage("the broker", grace_s=0.0)
     try:
         for error in (KafkaConnectionError("111 ECONNREFUSED"), UnknownTopicOrPartitionError("t")):
             assert kafka_connect.with_retry(fails_4_times(error), "metadata", attempts=5, backoff_s=0.001) == "ok"
     finally:
         kafka_connect.BROKER = original
     lines = [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.levelno > logging.DEBUG]
-    expected = [r"WARNING the broker is not answering \(metadata: KafkaConnectionError: 111 ECONNREFUSED\)",
+    expected = [r"WARNING the broker is not answering \(metadata: KafkaConnectionError: 111 ECONNREFUSED; for",
                 r"INFO the broker answers again after [\d.]+s \(4 failed calls\)",
                 *[rf"WARNING metadata failed \(.*UnknownTopicOrPartitionError: t\); retry {i}/4 in"
                   for i in range(1, 5)],
@@ -481,7 +506,7 @@ def test_poll_failures_in_an_outage_are_one_warning(caplog: pytest.LogCaptureFix
             raise KafkaConnectionError("111 ECONNREFUSED")
 
     caplog.set_level(logging.INFO)
-    outage = Outage("the broker")
+    outage = Outage("the broker", grace_s=0.0)
     original, kafka_io.BROKER = kafka_io.BROKER, outage
     try:
         for _ in range(5):

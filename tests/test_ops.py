@@ -646,6 +646,7 @@ def _scraped_names(port: int, want: set[str], deadline: float, every_s: float,
     return names
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_a_real_prometheus_scrapes_the_exported_names(tmp_path: Path) -> None:
     """The Prometheus binary scrapes live MetricsServers, untouched, and knows every name the rules and
     dashboards use: the labelled series exist from the start (tests/test_monitoring.py checks a running

@@ -81,6 +81,7 @@ def two_rank_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
 
 
 @pytest.mark.parametrize("case", list(worker.CASES))
+@pytest.mark.slow  # two gloo ranks: the fast lane stays under 5 min
 def test_two_ranks_equal_one_process(two_rank_results: tuple[Path, Path], case: str) -> None:
     """The reference is one process on the whole batch in one micro-batch: the ranks' split (and the single
     process's own micro-batching) must not change the step."""
@@ -105,6 +106,7 @@ def test_two_ranks_equal_one_process(two_rank_results: tuple[Path, Path], case: 
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow  # two gloo ranks: the fast lane stays under 5 min
 def test_a_sharded_checkpoint_restores_the_step_exactly(two_rank_results: tuple[Path, Path], strategy: str) -> None:
     _, out = two_rank_results
     got = torch.load(out / f"{strategy}-resume.pt")

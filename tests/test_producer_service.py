@@ -159,6 +159,7 @@ def test_backpressure_stops_at_the_backlog_and_resumes(model_dir: Path, kafka_cf
     wait_for(lambda: _count(kafka_cfg, admin, topic) > before, what="resume after offsets advanced")
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_hot_swap_stamps_the_new_version_and_survives_a_corrupt_file(model_dir: Path, kafka_cfg: KafkaConfig,
                                                                       plan: PipelineContract, tmp_path: Path,
                                                                       running: Callable) -> None:
@@ -235,6 +236,7 @@ def _all(kafka_cfg: KafkaConfig, topic: str, n: int) -> list:
     return out
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_two_producers_split_the_prompts_without_doing_one_twice(model_dir: Path, kafka_cfg: KafkaConfig,
                                                                  plan: PipelineContract, tmp_path: Path,
                                                                  running: Callable) -> None:
@@ -338,3 +340,26 @@ def test_a_broken_engine_stops_the_producer_instead_of_dead_lettering_everything
     assert 2 <= done <= 4
     letters = [wire.decode(m.value, wire.DeadLetter) for m in _all(kafka_cfg, plan.topic("dlq"), done)]
     assert len(letters) == done and all(d.reason.startswith("generation_error") for d in letters)
+
+
+CHAT = ("{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}")
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_a_prompt_becomes_token_ids_with_or_without_the_chat_template(model_dir: Path, chat_template: bool) -> None:
+    """With apply_chat_template the prompt is the user turn of the template plus the generation prompt, as a list
+    of ints: transformers 5's apply_chat_template returns a BatchEncoding by default, which was taken for the ids."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT
+    fake = SimpleNamespace(cfg=SimpleNamespace(apply_chat_template=chat_template), tokenizer=tokenizer,
+                           backend=SimpleNamespace(max_context=lambda: 512), sampling=SimpleNamespace(max_tokens=8))
+    task = wire.PromptTask(prompt_id="p", prompt="last(372)=", task="last_digit")
+    ids, reason = Producer._prompt_ids(fake, task)  # type: ignore[arg-type]
+    text = "<u>last(372)=</u><a>" if chat_template else "last(372)="
+    want = tokenizer(text, add_special_tokens=not chat_template)["input_ids"]
+    assert reason == "" and ids == want and all(type(t) is int for t in ids)

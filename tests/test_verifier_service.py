@@ -168,6 +168,7 @@ def _verifier_cfg(kafka_cfg: KafkaConfig, plan: PipelineContract, **extra: objec
                                               for k, val in _cfg_dict(kafka_cfg, plan, **extra).items()])
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_two_runs_on_one_broker_never_read_each_other(kafka_cfg: KafkaConfig, admin: KafkaAdminClient,
                                                       unique: Callable, running: Callable) -> None:
     """Names derive from the run: two runs' verifiers, side by side on one broker with default names otherwise,

@@ -505,6 +505,7 @@ def test_a_publish_the_broker_dropped_is_uploaded_again(tmp_path: Path, monkeypa
     assert len(calls) == 3 and ann.version == 5 and ann.sha256 == sha256_file(tmp_path / "w.bin")
 
 
+@pytest.mark.slow  # the fast lane (-m 'not slow') stays under 5 min
 def test_publish_bench_reports_both_ways_for_both_stores(kafka_cfg: KafkaConfig, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -545,7 +546,7 @@ def test_fs_writes_the_next_version_over_the_retired_one(tmp_path: Path) -> None
     assert _fetcher(cfg, KafkaConfig()).fetch(ann).read_bytes() == data
 
 
-@pytest.mark.parametrize("size", [0, 1, 5000, 3 * 8 * MiB + 7])
+@pytest.mark.parametrize("size", [0, 1, 5000, pytest.param(3 * 8 * MiB + 7, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("read_at_most", [None, 1000])
 def test_pump_copies_and_hashes_every_byte(size: int, read_at_most: int | None) -> None:
     """One piece (a small model) is hashed inline, more go through the hashing thread; short reads (a pipe, a

@@ -21,6 +21,7 @@ from grpo_core.kafka_io import (
     DeadLetters,
     Partition,
     RebalanceListener,
+    Record,
     acked,
     assigned_lag,
     commit_processed,
@@ -39,7 +40,7 @@ from grpo_verifiers.rewards import RewardPool, RewardRequest, RewardResult
 log = logging.getLogger("verifier")
 
 
-class _Rebalance(RebalanceListener):
+class _Rebalance(RebalanceListener):  # type: ignore[misc]  # kafka-python has no type hints
     """Forgets the pending groups of partitions this verifier lost in a rebalance.
 
     No commit here: kafka-python 3 runs listeners on its IO thread, where a blocking commit is refused. Every
@@ -102,7 +103,7 @@ class Verifier:
             elif self.cfg.idle_timeout_s and time.monotonic() - self.last_completion_at > self.cfg.idle_timeout_s:
                 break
 
-    def _assemble(self, polled: dict) -> list[Ready]:
+    def _assemble(self, polled: dict[Partition, list[Record]]) -> list[Ready]:
         ready = []
         dedup_before = self.assembler.dedup_hits
         for tp, msgs in polled.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import re
@@ -62,7 +63,7 @@ def check_run_name(run: str) -> str:
     return run
 
 
-def pump(src: BinaryIO, hasher: Any, dst: BinaryIO | None = None, size: int | None = None) -> int:
+def pump(src: io.RawIOBase, hasher: Any, dst: BinaryIO | None = None, size: int | None = None) -> int:
     """Copy ``src`` to its end into ``dst`` (if any) while hashing; two reusable buffers, no whole-file copy.
 
     The hash of a piece runs on a thread while this one writes it and reads the next (hashlib, file reads and

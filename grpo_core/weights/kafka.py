@@ -19,6 +19,7 @@ sha256 stays wrong: that fails at once, without retries.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
 from grpo_core import wire
 from grpo_core.config import KafkaConfig
@@ -218,7 +219,7 @@ class KafkaStore:
         self._producer = None
 
 
-def _read_exact(f: BinaryIO, n: int, src: Path) -> bytes:
+def _read_exact(f: io.RawIOBase, n: int, src: Path | Payload) -> bytes:
     data = f.read(n)
     while len(data) < n:  # raw reads may return short; only an empty read means end of file
         more = f.read(n - len(data))

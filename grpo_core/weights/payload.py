@@ -14,7 +14,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 Block = bytes | bytearray | memoryview
 
@@ -68,9 +67,9 @@ class _BlockReader(io.RawIOBase):
         return n
 
 
-def open_source(src: Path | Payload) -> tuple[BinaryIO, int]:
+def open_source(src: Path | Payload) -> tuple[io.RawIOBase, int]:
     """A readable binary stream and its size, for a file on disk or a payload."""
     if isinstance(src, Payload):
-        return _BlockReader(src), src.size  # type: ignore[return-value]
+        return _BlockReader(src), src.size
     f = open(src, "rb", buffering=0)  # noqa: SIM115 -- the caller closes it
-    return f, os.fstat(f.fileno()).st_size  # type: ignore[return-value]
+    return f, os.fstat(f.fileno()).st_size

@@ -8,7 +8,7 @@ import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from grpo_stream.bench.cpu_use import STEAL_WARN, format_cpus
 
@@ -217,7 +217,7 @@ def _median_to_target(values: list[Any]) -> Any:
     ordered = sorted(values, key=lambda v: (v is None, v if v is not None else 0))
     n = len(ordered)
     middle = ordered[(n - 1) // 2:n // 2 + 1] if n else [None]
-    return None if None in middle else statistics.fmean(middle) if len(middle) == 2 else middle[0]
+    return None if None in middle else statistics.fmean(cast(list[float], middle)) if len(middle) == 2 else middle[0]
 
 
 def _median_of(field: str, values: list[Any]) -> Any:

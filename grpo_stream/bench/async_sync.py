@@ -170,7 +170,7 @@ def _loop(engine: Any, pcfg: ProducerConfig, lcfg: LearnerConfig, score: Scorer,
 def _on(cpus: set[int], back: set[int]) -> Iterator[None]:
     """Run the block's host side on ``cpus``: the calling thread submits the requests and processes the engine's
     outputs (vLLM's front end), which the pipeline's producer does on its own pinned core. Left on the learner's
-    CPUs, S's generation had a second core that no pipeline arm has (2026-12-04: see the README)."""
+    CPUs, S's generation had a second core that no pipeline arm has (docs/results/2026-12-06-bench-async.md)."""
     os.sched_setaffinity(0, cpus)
     try:
         yield

@@ -13,7 +13,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,7 +30,7 @@ def _model_and_state(model_dir: Path) -> tuple[torch.nn.Module, dict[str, Any]]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sum(p.sum() for p in model.parameters()).backward()
+    cast(torch.Tensor, sum(p.sum() for p in model.parameters())).backward()
     optimizer.step()  # so the state holds both moments, as a learner's does after its first step
     return model, {"optimizer": optimizer.state_dict()}
 

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from grpo_producers.backends.base import BackendConfig, SamplingConfig, make_bac
 from grpo_stream.bench.gpu_presets import BENCH_CONFIG, presets_section
 from grpo_stream.bench.gpu_saving import saving_section
 from grpo_stream.tiny_model import build_tokenizer
+
+if TYPE_CHECKING:
+    from grpo_producers.backends.base import Dtype
 
 # Dense (no sparsity) bf16 tensor-core peaks by GPU name. The H200 has the H100 SXM's compute (more memory only).
 BF16_PEAK = {"H200": 989e12, "H100": 989e12}
@@ -114,15 +117,17 @@ def build_model_dir(plan: Plan, out: Path) -> tuple[int, int]:
     (what both the learner and the backend load). Returns (parameters, embedding parameters)."""
     eos = build_tokenizer(out, max_length=plan.shape["max_position_embeddings"]).eos_token_id
     # rope_parameters is transformers 5's spelling, rope_theta 4's (5 also reads it): both, then check it took.
-    cfg = Qwen2Config(**plan.shape, tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=eos,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, eos_token_id=eos,
-                      pad_token_id=eos, use_cache=True)
+    # rope_theta: not a field, taken by __post_init__(**kwargs) (the ignore); the shape's sizes go to int fields
+    cfg = Qwen2Config(  # type: ignore[call-arg]
+        **cast(dict[str, Any], plan.shape), tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6,
+        bos_token_id=eos, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, eos_token_id=eos,
+        pad_token_id=eos, use_cache=True)
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
     if theta != 1e6:
         raise RuntimeError(f"rope theta is {theta}, not 1e6: this transformers reads it elsewhere")
     torch.manual_seed(0)
     with torch.device(plan.device):  # initialising 0.5B parameters on the CPU would take a minute
-        model = Qwen2ForCausalLM(cfg).to(DTYPES[plan.dtype])
+        model = Qwen2ForCausalLM(cfg).to(DTYPES[plan.dtype])  # type: ignore[arg-type]  # @wraps'd .to (hf.py)
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(out)
     counts = sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
@@ -189,8 +194,8 @@ def add_sync_hooks(model: torch.nn.Module, sync: Callable[..., None]) -> None:
     Syncing after each vocabulary projection (the forward's last big op) and after the tied embedding's gradient
     is accumulated (the backward's last op) puts each phase's kernels in its own bucket. Installed before the
     Trainer copies the reference model, so the reference forward ("forward_old") is synced too."""
-    model.get_output_embeddings().register_forward_hook(sync)
-    model.get_input_embeddings().weight.register_post_accumulate_grad_hook(sync)
+    cast(Any, model).get_output_embeddings().register_forward_hook(sync)
+    cast(Any, model).get_input_embeddings().weight.register_post_accumulate_grad_hook(sync)
 
 
 def free_memory() -> None:
@@ -287,8 +292,8 @@ def microbatches_of(cfg: LearnerConfig, groups: list[wire.ScoredGroup]) -> list[
 
 
 def generation_section(plan: Plan, cfg: LearnerConfig, rng: np.random.Generator, report: Report) -> None:
-    backend = make_backend(BackendConfig(model=cfg.model.path, kind="hf", dtype=plan.dtype, device=plan.device,
-                                         max_batch_prompts=plan.gen_prompts, logprobs="sampling"))
+    backend = make_backend(BackendConfig(model=cfg.model.path, kind="hf", dtype=cast("Dtype", plan.dtype),
+                                         device=plan.device, max_batch_prompts=plan.gen_prompts, logprobs="sampling"))
     prompts = [rng.integers(1, plan.shape["vocab_size"], int(rng.integers(plan.prompt_len[0], plan.prompt_len[1] + 1)))
                for _ in range(plan.gen_prompts)]
     sampling = SamplingConfig(temperature=plan.temperature, max_tokens=plan.completion_len)
@@ -381,8 +386,9 @@ def run(plan: Plan, paper_config: Path, peak_tflops: float | None, report: Repor
             # Leave each later i its share of what is left of the budget.
             deadline = start + plan.budget_s - 10.0
             share = time.monotonic() + (deadline - time.monotonic()) / (len(cfgs) - n)
-            guarded(report, f"i={i} train", lambda c=cfg, d=share: train_section(plan, c, groups, counts, d, peak,
-                                                                                  report))
+            # (mypy cannot infer a lambda with a default argument: the ignore below)
+            guarded(report, f"i={i} train", lambda c=cfg, d=share: train_section(  # type: ignore[misc]
+                plan, c, groups, counts, d, peak, report))
     imports_row(report)
     wall = time.monotonic() - start
     report.row("wall time", f"{wall:.1f} s after the imports (budget {plan.budget_s:.0f} s)")

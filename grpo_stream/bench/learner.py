@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -67,7 +68,9 @@ def measure(bootstrap: str, preset: str, steps: int, g: int, groups_per_batch: i
     totals = {"transport": 0.0, "compute": 0.0}
     for step in range(steps + 1):  # step 0 warms up (allocator, first fetch)
         pick = source.next_batch(step, groups_per_batch, lambda: False, 500)
-        stats = trainer.train_step([item.group for item in pick.trained])
+        assert pick is not None  # None only once should_stop() is true
+        # A trained item has its group (GroupSource._take).
+        stats = trainer.train_step(cast(list[wire.ScoredGroup], [item.group for item in pick.trained]))
         if step == 0:
             continue
         totals["transport"] += pick.wait_s + stats.timings["collate"]

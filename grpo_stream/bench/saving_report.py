@@ -104,7 +104,7 @@ def extrapolate(preset: str, summary: dict[str, dict[str, dict[str, float]]],
     r = rates(summary)
     pub_gb = (_median(summary, "sync", "publish_bytes") or _median(summary, "async", "publish_bytes") or 0) / 1e9
     ck_gb = (_median(summary, "sync", "checkpoint_bytes") or _median(summary, "async", "checkpoint_bytes") or 0) / 1e9
-    rows = [{"model": preset, "kind": "measured", "publish_gb": pub_gb, "checkpoint_gb": ck_gb}]
+    rows: list[dict[str, Any]] = [{"model": preset, "kind": "measured", "publish_gb": pub_gb, "checkpoint_gb": ck_gb}]
     rows += [{"model": name, "kind": "arithmetic", "publish_gb": gb, "checkpoint_gb": params * CKPT_BYTES_PER_PARAM
               / 1e9} for name, gb, params in BIG]
     for row in rows:

@@ -27,6 +27,7 @@ import uuid
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -145,7 +146,7 @@ def measure_store(kind: str, kafka: KafkaConfig, topics: PipelineContract, files
                 conn.send("publish")
                 swap = _swap(subscriber)
                 done = time.time()
-                publish_s, published_at, size = _receive(conn)  # type: ignore[misc]
+                publish_s, published_at, size = cast(tuple[float, float, int], _receive(conn))
                 if swap is None:
                     print(f"  {label:>12} {size_mb:5d} MB: no swap within {CHILD_TIMEOUT_S:.0f} s", flush=True)
                 elif measured:

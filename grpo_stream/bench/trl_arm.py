@@ -143,7 +143,7 @@ def _child(spec: TrlSpec) -> TrlResult:
     torch.set_num_threads(spec.threads)
     result = TrlResult(trl_version=trl.__version__)
     tok = AutoTokenizer.from_pretrained(spec.model)
-    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)  # its generate is replaced
     lengths = LengthsConfig(**spec.lengths)
     if lengths.controlled:
         processor = _drawn_lengths_processor(lengths, int(tok.eos_token_id), spec.max_tokens, spec.seed)
@@ -154,7 +154,7 @@ def _child(spec: TrlSpec) -> TrlResult:
             kwargs["logits_processor"] = LogitsProcessorList([processor])
             return generate(*args, **kwargs)
 
-        model.generate = generate_drawn  # type: ignore[method-assign]
+        model.generate = generate_drawn
     batch = spec.prompts_per_step * spec.group_size
     args = trl.GRPOConfig(
         output_dir=spec.out_dir, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
@@ -169,8 +169,9 @@ def _child(spec: TrlSpec) -> TrlResult:
                               train_dataset=data, processing_class=tok)
     budget_end = time.perf_counter() + spec.budget_s
 
-    class Clock(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> Any:
+    class Clock(TrainerCallback):
+        # the ignore: its own parameter names (the Trainer passes args, state, control by position)
+        def on_step_end(self, _args: Any, state: Any, control: Any, **_: Any) -> Any:  # type: ignore[override]
             result.step_ends.append(time.perf_counter())
             if time.perf_counter() > budget_end:
                 control.should_training_stop = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def measure(bootstrap: str, task: str, n_groups: int, workers: int) -> dict[str,
     return {"groups_per_s": n_groups / wall, "wall": wall, **{k: v / wall for k, v in timings.items()}}
 
 
-def _instrument(verifier: object) -> dict[str, float]:
+def _instrument(verifier: Any) -> dict[str, float]:
     """Wrap the verifier's phases with timers (the service itself stays free of benchmark code)."""
     timings = {"kafka+decode+assembly": 0.0, "rewards": 0.0, "publish+commit": 0.0}
     pool = verifier.pool
@@ -88,7 +89,7 @@ def _instrument(verifier: object) -> dict[str, float]:
     return timings
 
 
-def _one_round(v: object) -> None:
+def _one_round(v: Any) -> None:
     """One iteration of Verifier.run with the phases timed."""
     t = time.perf_counter()
     polled = v.consumer.poll(timeout_ms=v.cfg.poll_timeout_ms, max_records=v.cfg.max_poll_records)

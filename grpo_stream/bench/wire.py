@@ -59,9 +59,10 @@ def codec_figures(seconds: float) -> list[tuple[str, float, float]]:
     rows = []
     for name, record in (("Completion", group.completions[0]), ("ScoredGroup(G=16)", group)):
         data = wire.encode(record)
-        enc = _rate(lambda r=record: wire.encode(r), seconds)
+        # (mypy cannot infer a lambda with a default argument: the ignores below)
+        enc = _rate(lambda r=record: wire.encode(r), seconds)  # type: ignore[misc]
         kind = type(record)
-        dec = _rate(lambda d=data, k=kind: wire.decode(d, k), seconds)
+        dec = _rate(lambda d=data, k=kind: wire.decode(d, k), seconds)  # type: ignore[misc]
         rows += [(f"encode {name} ({len(data)} B)", enc * len(data) / 1e6, enc),
                  (f"decode+validate {name} ({len(data)} B)", dec * len(data) / 1e6, dec)]
     return rows

@@ -245,7 +245,8 @@ def check_request(prompts: Sequence[Sequence[int]], n: int, sampling: SamplingCo
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompts[{i}]: empty prompt")
-        if len(p) + sampling.max_tokens > max_context:
+        # max_tokens: resolved before a backend is called (ProducerConfig.sampling_params); None fails here
+        if len(p) + sampling.max_tokens > max_context:  # type: ignore[operator]
             raise ValueError(f"prompts[{i}]: {len(p)} prompt tokens + max_tokens {sampling.max_tokens} exceed the "
                              f"model's context of {max_context}")
         if min(p) < 0 or max(p) >= vocab_size:

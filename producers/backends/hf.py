@@ -18,6 +18,7 @@ import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from grpo_producers.backends.base import (
 )
 from grpo_producers.backends.lengths import LengthDraws
 
+if TYPE_CHECKING:
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
 
 class HFBackend:
     """:class:`~grpo_producers.backends.base.Backend` on ``transformers`` (one model, one device)."""
@@ -52,7 +56,8 @@ class HFBackend:
         self.device = torch.device(cfg.device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=getattr(torch, cfg.dtype))
-        self.model: PreTrainedModel = model.to(self.device).eval()
+        # PreTrainedModel.to is @wraps(nn.Module.to) with no annotations: mypy passes the device as `self`.
+        self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
         self.eos_ids = _eos_ids(model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_id: int = self.eos_ids[0] if pad is None else int(pad)
@@ -91,9 +96,11 @@ class HFBackend:
             drawn = self._lengths(sampling.lengths, len(prompts) * reps, int(sampling.max_tokens or 1))
             config.eos_token_id, config.max_new_tokens = None, max(drawn)
             criteria.append(DrawnLengths(width, drawn))
-        gen = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                  stopping_criteria=criteria)
+        # return_dict_in_generate (the config): a GenerateDecoderOnlyOutput. The model class mixes in generate().
+        gen: GenerateDecoderOnlyOutput = cast(Any, self.model).generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config, stopping_criteria=criteria)
         new = gen.sequences[:, width:]
+        assert gen.logits is not None  # output_logits=True (_generation_config)
         tempered = self.cfg.logprobs == "sampling" and not greedy
         logprobs = sampled_logprobs(gen.logits, new, sampling.temperature if tempered else 1.0)
         tokens_np, logprobs_np = new.cpu().numpy(), logprobs.cpu().numpy()
@@ -124,7 +131,7 @@ class HFBackend:
         return Sample(kept, logprobs[:length].astype(np.float32), "length", self._decode(kept.tolist()))
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(list(ids), skip_special_tokens=True))  # one sequence: one text
 
     @contextmanager
     def _own_rng(self, seed: int | None) -> Iterator[None]:

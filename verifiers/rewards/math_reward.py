@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any
+from typing import Any, cast
 
 # Unicode minus and friends -> ASCII, which math-verify does not do itself ("−3" would not parse).
 _TRANSLATE = str.maketrans({"\u2212": "-", "\u2013": "-", "\u00a0": " ", "\u2009": " "})
@@ -71,7 +71,7 @@ def parse_gold(answer: str, parse_timeout_s: int = 3) -> list[Any]:
         return []
     timeout = _timeout(parse_timeout_s)
     for candidate in (f"$\\boxed{{{text}}}$", text):
-        parsed = parse(candidate, parsing_timeout=timeout)
+        parsed: list[Any] = parse(candidate, parsing_timeout=timeout)
         if parsed:
             return parsed
     return [text]
@@ -85,9 +85,9 @@ def parse_prediction(completion: str, tail_chars: int = 4000, parse_timeout_s: i
     timeout = _timeout(parse_timeout_s)
     boxed = last_boxed(text)
     if boxed is not None and boxed.strip():
-        parsed = parse(f"$\\boxed{{{boxed}}}$", parsing_timeout=timeout)
+        parsed: list[Any] = parse(f"$\\boxed{{{boxed}}}$", parsing_timeout=timeout)
         return parsed or [boxed.strip()]
-    return parse(text[-tail_chars:], parsing_timeout=timeout)
+    return cast(list[Any], parse(text[-tail_chars:], parsing_timeout=timeout))
 
 
 def math_answer(completion: str, prompt: str, metadata: dict[str, Any], *, tail_chars: int = 4000,

@@ -47,12 +47,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from grpo_core.config import ConfigError, validate_tree
 from grpo_verifiers.rewards import failures
 from grpo_verifiers.rewards.config import RewardConfig
 from grpo_verifiers.rewards.registry import MAX_ERROR_CHARS, Plan, PlannedTerm, TermOutcome, call_term, exception_reason
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +258,7 @@ class RewardPool:
         validate_tree(cfg)
         self.cfg = cfg
         self._plan = Plan(cfg)
-        self._ctx = multiprocessing.get_context(cfg.start_method)
+        self._ctx = cast("SpawnContext | ForkServerContext", multiprocessing.get_context(cfg.start_method))
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._closed = False
@@ -456,6 +459,7 @@ class RewardPool:
             if not queue:
                 return
             n = max(1, min(self.cfg.max_chunk, math.ceil(len(queue) / (2 * len(ready)))))
+            chunk: list[_Job]
             chunk, size = [], 0
             while queue and len(chunk) < n and (not chunk or size + len(queue[0].payload) <= MAX_CHUNK_BYTES):
                 chunk.append(queue.popleft())

@@ -75,9 +75,12 @@ def test_cluster_id_shape() -> None:
 
 
 def test_free_port_is_bindable() -> None:
-    port = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+    ports = {free_port() for _ in range(5)}
+    assert all(1024 < port < 65536 for port in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # raises if another socket holds it
+            assert s.getsockname()[1] == port
 
 
 def test_missing_jars_says_run_setup(tmp_path: Path) -> None:

@@ -391,10 +391,6 @@ def test_non_bytes_input_is_wire_error(data: Any) -> None:
         wire.decode(data)
 
 
-def test_wire_error_is_a_value_error() -> None:
-    assert issubclass(wire.WireError, ValueError)
-
-
 # --------------------------------------------------------------------------------------------- 3. validation
 
 

@@ -67,6 +67,7 @@ class Outage:
         self._failures = 0
         self._announced = False
         self._warned_at = -math.inf
+        self._last = ""  # the newest failure: "what: error"
 
     @property
     def down_since(self) -> float | None:
@@ -77,19 +78,31 @@ class Outage:
                retry_in_s: float = 0.0) -> None:
         now = time.monotonic()
         with self._lock:
+            self._last = f"{what}: {describe(exc)}"
             if self._since is None:
                 self._since, self._failures = now, 0
+                if self.grace_s > 0:  # calls may back off or block past the grace: a timer says it on time
+                    timer = threading.Timer(self.grace_s, self._announce, args=(now,))
+                    timer.daemon = True
+                    timer.start()
             self._failures += 1
-            down_s = now - self._since
-            announce = (not self._announced and down_s >= self.grace_s
+        if not self._announce(self._since):
+            log.debug("%s still not answering (%s)", self.name, self._last)
+
+    def _announce(self, since: float | None) -> bool:
+        """The outage's one WARNING, once it has lasted ``grace_s``: True if this call said it."""
+        now = time.monotonic()
+        with self._lock:
+            down_s = now - since if since is not None and since == self._since else -1.0
+            announce = (down_s >= self.grace_s and not self._announced
                         and now - self._warned_at >= self.warn_every_s)
             if announce:
                 self._announced, self._warned_at = True, now
+            last = self._last
         if announce:
-            log.warning("%s is not answering (%s: %s; for %.1fs); retrying, further failures at DEBUG until it "
-                        "answers", self.name, what, describe(exc), down_s)
-        else:
-            log.debug("%s still not answering (%s: %s)", self.name, what, describe(exc))
+            log.warning("%s is not answering (%s; for %.1fs); retrying, further failures at DEBUG until it answers",
+                        self.name, last, down_s)
+        return announce
 
     def succeeded(self, what: str = "") -> None:
         if self._since is None:  # the common case, without the lock

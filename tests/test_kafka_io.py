@@ -450,6 +450,25 @@ def test_a_failure_shorter_than_the_grace_is_not_announced(caplog: pytest.LogCap
     assert re.search(r"not answering \(poll: .*CoordinatorNotAvailableError.*; for 0\.[3-9]s\)", loud[0][1]), loud
 
 
+def test_an_outage_that_outlasts_the_grace_between_failures_is_said_on_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Calls back off (or block) through an outage: the last failure may come before the grace is over. The
+    outage lasts longer all the same: its WARNING comes when the grace is over, naming the last failure."""
+    from kafka.errors import KafkaConnectionError
+
+    from grpo_core.retry import Outage
+
+    caplog.set_level(logging.DEBUG, logger="grpo_core.retry")
+    outage = Outage("the broker", grace_s=0.2)
+    outage.failed("poll", KafkaConnectionError("111 ECONNREFUSED"))
+    time.sleep(0.7)  # no call fails meanwhile: the outage's timer says it once the grace is over
+    outage.succeeded("poll")
+    loud = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno > logging.DEBUG]
+    assert [level for level, _ in loud] == ["WARNING", "INFO"], loud
+    assert re.match(r"the broker is not answering \(poll: .*ECONNREFUSED; for 0\.[2-6]s\)", loud[0][1]), loud
+    assert re.match(r"the broker answers again after 0\.[7-9]s \(1 failed calls\)", loud[1][1]), loud
+
+
 def test_a_broker_calls_retries_through_an_outage_are_the_outages_two_lines(caplog: pytest.LogCaptureFixture) -> None:
     """with_retry (connect, metadata, offsets): an outage goes to the process's one tracker; any other failure (a
     topic not created yet) is the call's own, a WARNING per retry as for every retried I/O call."""

@@ -51,8 +51,8 @@ class CallLog:
 
 
 class Outage:
-    """A dependency every call of the process shares (the broker): one WARNING when calls to it start failing,
-    DEBUG for each further failure, one INFO with the outage's length at the first success after it.
+    """A dependency every call of the process shares (the broker): one WARNING once calls to it have been failing
+    for ``grace_s``, DEBUG for each failure, one INFO with the outage's length at the first success after it.
 
     An outage is announced only once it has lasted ``grace_s``: a broker whose group coordinator is still
     loading when the process starts fails calls for a second or two, which is no news to anyone (those failures

@@ -5,10 +5,10 @@ cannot drift from the code."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from grpo_core.config import explain_rows
+from grpo_stream.roles import import_class
 
 PAGE = Path("docs/configuration.md")
 # (title, config class, what it configures); the kafka and pipeline keys every role shares are listed once.
@@ -29,11 +29,6 @@ SECTIONS: list[tuple[str, str, str]] = [
 SHARED = ("pipeline.", "kafka.")
 
 
-def _class(path: str) -> type:
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def _cell(text: str, code: bool = False) -> str:
     """A table cell: pipes escaped; outside code, ``<`` too (``<run>`` would be read as an HTML tag)."""
     text = text.replace("|", "\\|").replace("\n", " ")
@@ -50,7 +45,7 @@ def render() -> str:
     for title, path, what in SECTIONS:
         prefix = {"PipelineContract": "pipeline.", "KafkaConfig": "kafka."}.get(path.split(":")[1], "")
         out += [f"## {title}", "", what, "", "| key | default | what it does |", "|---|---|---|"]
-        for key, default, text in explain_rows(_class(path), prefix):
+        for key, default, text in explain_rows(import_class(path), prefix):
             if not prefix and key.startswith(SHARED):
                 continue
             out.append(f"| {_cell(key, code=True)} | {_cell(default, code=True)} | {_cell(text)} |")

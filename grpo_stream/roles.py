@@ -18,5 +18,10 @@ ROLE_MODULES: dict[str, tuple[str, str]] = {
 
 
 def config_class(role: str) -> type:
-    module, name = ROLE_MODULES[role][1].split(":")
+    return import_class(ROLE_MODULES[role][1])
+
+
+def import_class(path: str) -> type:
+    """The class a ``module:Name`` path names."""
+    module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
